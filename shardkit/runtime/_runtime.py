@@ -37,7 +37,9 @@ def _env_int(*names: str) -> int | None:
             try:
                 return int(value)
             except ValueError:
-                raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+                raise ValueError(
+                    f"environment variable {name}={value!r} is not an integer"
+                ) from None
     return None
 
 

@@ -1,0 +1,24 @@
+"""SPMD sharding: meshes, partition specs and ShardedTensor (``import shardkit.spmd as xs``)."""
+
+from . import layout
+from ._comm import CollectiveCounts, count_collectives
+from ._dispatch import fallback_counts, register_rule, reset_fallback_counts
+from ._mesh import Mesh
+from ._placement import Placement
+from ._sharded_tensor import ShardedTensor, clear_sharding, mark_sharding
+from .layout import Box
+
+__all__ = [
+    "Box",
+    "CollectiveCounts",
+    "Mesh",
+    "Placement",
+    "ShardedTensor",
+    "clear_sharding",
+    "count_collectives",
+    "fallback_counts",
+    "layout",
+    "mark_sharding",
+    "register_rule",
+    "reset_fallback_counts",
+]

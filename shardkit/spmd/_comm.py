@@ -1,0 +1,145 @@
+"""Mesh-axis collectives, with accounting for :func:`count_collectives`.
+
+Every collective shardkit's SPMD layer issues goes through here, so tests and users
+can assert exactly what a program communicates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ._mesh import Mesh
+
+__all__ = [
+    "CollectiveCounts",
+    "count_collectives",
+    "all_reduce",
+    "all_gather_bytes",
+    "all_to_all_bytes",
+]
+
+
+@dataclass
+class CollectiveCounts:
+    """What ran inside a :func:`count_collectives` block.
+
+    ``calls[(kind, axes)]`` and ``bytes[(kind, axes)]`` are keyed by the collective kind
+    (``"all_reduce"``, ``"all_gather"``, ``"all_to_all"``, ``"reduce_scatter"``) and the
+    tuple of mesh-axis names it ran over. ``bytes`` counts what this rank sent.
+    ``fallbacks`` counts ops that ran through the gather fallback, by op name.
+    """
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)
+
+    def total_calls(self, kind: str | None = None) -> int:
+        return sum(n for (k, _), n in self.calls.items() if kind in (None, k))
+
+    def total_bytes(self, kind: str | None = None) -> int:
+        return sum(n for (k, _), n in self.bytes.items() if kind in (None, k))
+
+
+_active: list[CollectiveCounts] = []
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CollectiveCounts]:
+    """Count the SPMD collectives (and gather fallbacks) issued inside the block."""
+    counts = CollectiveCounts()
+    _active.append(counts)
+    try:
+        yield counts
+    finally:
+        _active.remove(counts)
+
+
+def record(kind: str, axis_names: tuple[str, ...], num_bytes: int) -> None:
+    for counts in _active:
+        counts.calls[(kind, axis_names)] += 1
+        counts.bytes[(kind, axis_names)] += int(num_bytes)
+
+
+def record_fallback(op_name: str) -> None:
+    for counts in _active:
+        counts.fallbacks[op_name] += 1
+
+
+def _names(mesh: Mesh, axes: Sequence[int]) -> tuple[str, ...]:
+    return tuple(mesh.axis_names[a] for a in sorted(axes))
+
+
+def _group_size(mesh: Mesh, axes: Sequence[int]) -> int:
+    n = 1
+    for a in axes:
+        n *= mesh.mesh_shape[a]
+    return n
+
+
+def all_reduce(
+    tensor: torch.Tensor, mesh: Mesh, axes: Sequence[int], op: str = "sum"
+) -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` over the mesh ``axes``; returns it."""
+    if _group_size(mesh, axes) == 1:
+        return tensor
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    record("all_reduce", _names(mesh, axes), tensor.numel() * tensor.element_size())
+    dist.all_reduce(tensor, op=reduce_op, group=mesh.group(axes))
+    return tensor
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.view(torch.uint8)
+
+
+def all_gather_bytes(
+    local: torch.Tensor, mesh: Mesh, axes: Sequence[int]
+) -> dict[int, torch.Tensor]:
+    """Gather every group member's raw bytes; returns ``{global rank: uint8 tensor}``."""
+    payload = _as_bytes(local)
+    group_ranks = sorted(mesh.group_ranks(axes))
+    if len(group_ranks) == 1:
+        return {group_ranks[0]: payload}
+    group = mesh.group(axes)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in group_ranks]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
+    padded[: payload.numel()] = payload
+    out = [torch.empty_like(padded) for _ in group_ranks]
+    record("all_gather", _names(mesh, axes), payload.numel())
+    dist.all_gather(out, padded, group=group)
+    return {r: buf[: int(s.item())] for r, buf, s in zip(group_ranks, out, sizes)}
+
+
+def all_to_all_bytes(
+    chunks: Sequence[torch.Tensor], recv_sizes: Sequence[int], mesh: Mesh
+) -> list[torch.Tensor]:
+    """Send ``chunks[r]`` (raw bytes) to every world rank r; receive ``recv_sizes[r]`` bytes from each."""
+    send = (
+        torch.cat([_as_bytes(c) for c in chunks]) if chunks else torch.empty(0, dtype=torch.uint8)
+    )
+    recv = torch.empty(int(sum(recv_sizes)), dtype=torch.uint8, device=send.device)
+    me = dist.get_rank()
+    record(
+        "all_to_all",
+        tuple(mesh.axis_names),
+        send.numel() - chunks[me].numel() * chunks[me].element_size(),
+    )
+    dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=[int(s) for s in recv_sizes],
+        input_split_sizes=[c.numel() * c.element_size() for c in chunks],
+    )
+    return list(torch.split(recv, [int(s) for s in recv_sizes]))

@@ -1,0 +1,155 @@
+"""Op dispatch for ShardedTensor: sharding rules where registered, a gather fallback otherwise.
+
+The fallback gathers every sharded input, runs the op on full tensors, writes back any
+input the op mutates, and re-shards each output like the first sharded input when its
+sharded dims kept their sizes (otherwise the output is replicated). It is correct for
+every deterministic op, counted per op name and logged once per op name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import _comm
+from ._placement import Placement
+from ._redistribute import redistribute_local
+
+__all__ = ["register_rule", "dispatch", "fallback_counts", "reset_fallback_counts"]
+
+logger = logging.getLogger("shardkit.spmd")
+aten = torch.ops.aten
+
+Rule = Callable[[object, tuple, dict], object]
+_RULES: dict[object, Rule] = {}
+_FALLBACK_COUNTS: Counter = Counter()
+_LOGGED: set[str] = set()
+
+
+def register_rule(*ops) -> Callable[[Rule], Rule]:
+    """Register ``rule(func, args, kwargs)`` for aten ops (overloads or packets).
+
+    A rule may return ``NotImplemented`` to hand the call to the fallback.
+    """
+
+    def decorate(rule: Rule) -> Rule:
+        for op in ops:
+            _RULES[op] = rule
+        return rule
+
+    return decorate
+
+
+def fallback_counts() -> Counter:
+    """How many times each op name ran through the gather fallback in this process."""
+    return Counter(_FALLBACK_COUNTS)
+
+
+def reset_fallback_counts() -> None:
+    _FALLBACK_COUNTS.clear()
+
+
+def _sharded_type():
+    from ._sharded_tensor import ShardedTensor
+
+    return ShardedTensor
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    rule = _RULES.get(func) or _RULES.get(func.overloadpacket)
+    if rule is not None:
+        out = rule(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+    return fallback(func, args, kwargs)
+
+
+def _full(st) -> torch.Tensor:
+    replicated = Placement.replicated(st._placement.mesh, st.ndim)
+    return redistribute_local(st._local_tensor, st.shape, st._placement, replicated)
+
+
+def _mutated_positions(func) -> list[tuple[int, str]]:
+    return [
+        (i, arg.name)
+        for i, arg in enumerate(func._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    ]
+
+
+def fallback(func, args: tuple, kwargs: dict):
+    """Gather, compute on full tensors, write back mutations, re-shard outputs."""
+    ShardedTensor = _sharded_type()
+    name = str(func.overloadpacket.__name__)
+    _FALLBACK_COUNTS[name] += 1
+    _comm.record_fallback(name)
+    flat, spec = tree_flatten((args, kwargs))
+    sharded_inputs = [a for a in flat if isinstance(a, ShardedTensor)]
+    if name not in _LOGGED:
+        _LOGGED.add(name)
+        logger.warning(
+            "shardkit: op %s has no sharding rule; gathering its inputs (logged once per op)",
+            name,
+        )
+    full_flat = [_full(a) if isinstance(a, ShardedTensor) else a for a in flat]
+    f_args, f_kwargs = tree_unflatten(full_flat, spec)
+    out = func(*f_args, **f_kwargs)
+
+    mutated = {}
+    for position, arg_name in _mutated_positions(func):
+        original = args[position] if position < len(args) else kwargs.get(arg_name)
+        computed = f_args[position] if position < len(f_args) else f_kwargs.get(arg_name)
+        if isinstance(original, ShardedTensor):
+            placement = original._placement.without_partial()
+            box = placement.box(original.shape)
+            original._local_tensor.copy_(computed[box.slices()])
+            original._placement = placement
+            mutated[id(computed)] = original
+
+    def wrap(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) in mutated:
+            return mutated[id(value)]
+        placement = _output_placement(sharded_inputs, value)
+        if placement.is_replicated():
+            return ShardedTensor(value, placement, value.shape)
+        local = value[placement.box(value.shape).slices()].clone()
+        return ShardedTensor(local, placement, value.shape)
+
+    out_flat, out_spec = tree_flatten(out)
+    return tree_unflatten([wrap(v) for v in out_flat], out_spec)
+
+
+def _output_placement(inputs: list, value: torch.Tensor) -> Placement:
+    """Shard like the first sharded input whose sharded dims kept their sizes, else replicate.
+
+    Inputs that actually split a dim are preferred over replicated ones, so that for
+    example ``grad * weight`` comes back sharded like ``weight``.
+    """
+    ordered = sorted(inputs, key=lambda st: st._placement.without_partial().is_replicated())
+    for st in ordered:
+        spec = st._placement.spec
+        if value.ndim == st.ndim and all(
+            not axes or value.shape[d] == st.shape[d] for d, axes in enumerate(spec)
+        ):
+            return Placement(st._placement.mesh, spec)
+    return Placement.replicated(inputs[0]._placement.mesh, value.ndim)
+
+
+# Plumbing that autograd and tensor bookkeeping call constantly; these keep the layout and
+# touch only the local shard, so they are not sharding rules and never communicate.
+@register_rule(aten.detach.default, aten.alias.default)
+def _local_alias(func, args, kwargs):
+    st = args[0]
+    return _sharded_type()(func(st._local_tensor), st._placement, st.shape)
+
+
+@register_rule(aten.clone.default)
+def _local_clone(func, args, kwargs):
+    st = args[0]
+    return _sharded_type()(func(st._local_tensor, **kwargs), st._placement, st.shape)

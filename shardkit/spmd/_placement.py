@@ -1,0 +1,66 @@
+"""Internal placement state of a ShardedTensor: which dims are split over which axes,
+and which axes hold a pending (partial) reduction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._mesh import Mesh
+from .layout import Box, NormalizedSpec, PartitionSpec, normalize_spec, shard_box, spec_to_user
+
+__all__ = ["Placement"]
+
+_REDUCE_OPS = ("sum", "max", "min")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a global tensor is laid out over a mesh.
+
+    ``spec`` holds, per tensor dim, the mesh axes it is split over (first major).
+    ``partial`` holds ``(axis, op)`` pairs: along that axis every rank holds an addend
+    (or a candidate for max/min) and the true value is the reduction over the axis.
+    """
+
+    mesh: Mesh
+    spec: NormalizedSpec
+    partial: tuple[tuple[int, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for axis, op in self.partial:
+            assert op in _REDUCE_OPS, op
+            assert all(axis not in axes for axes in self.spec), (axis, self.spec)
+
+    @classmethod
+    def from_user(cls, mesh: Mesh, spec: PartitionSpec, ndim: int) -> Placement:
+        return cls(mesh, normalize_spec(spec, mesh.axis_names, ndim))
+
+    @classmethod
+    def replicated(cls, mesh: Mesh, ndim: int) -> Placement:
+        return cls(mesh, ((),) * ndim)
+
+    @property
+    def user_spec(self) -> tuple:
+        return spec_to_user(self.spec, self.mesh.axis_names)
+
+    @property
+    def partial_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, _ in self.partial)
+
+    def is_replicated(self) -> bool:
+        return not self.partial and all(not axes for axes in self.spec)
+
+    def without_partial(self) -> Placement:
+        return Placement(self.mesh, self.spec)
+
+    def with_spec(self, spec: NormalizedSpec) -> Placement:
+        return Placement(self.mesh, spec, self.partial)
+
+    def box(self, global_shape: Sequence[int], coord: Sequence[int] | None = None) -> Box:
+        """The box of the rank at ``coord`` (default: this rank)."""
+        coord = self.mesh.coord() if coord is None else coord
+        return shard_box(global_shape, self.spec, self.mesh.mesh_shape, coord)
+
+    def box_of_rank(self, global_shape: Sequence[int], rank: int) -> Box:
+        return self.box(global_shape, self.mesh.coord_of(rank))
