@@ -1,0 +1,5 @@
+"""The ``shardkit`` command line."""
+
+from ._main import main
+
+__all__ = ["main"]
