@@ -50,6 +50,7 @@ def fallback_counts() -> Counter:
 
 
 def reset_fallback_counts() -> None:
+    """Zero the per-op fallback counters (for tests and per-phase accounting)."""
     _FALLBACK_COUNTS.clear()
 
 
