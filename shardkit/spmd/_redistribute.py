@@ -108,12 +108,17 @@ def redistribute_local(
 
 
 def _gather_covers(mesh, gather_axes, src_boxes, dst_boxes) -> bool:
-    """Whether every rank's new box is covered by the old boxes of its gather group."""
+    """Whether every rank's new box is exactly the union of its gather group's old boxes.
+
+    Exactly: an all-gather hands each rank every member's shard, so it is only chosen when
+    each received byte is kept; otherwise the all-to-all moves less.
+    """
     for rank, dst_box in dst_boxes.items():
-        covered = 0
+        covered = received = 0
         for member in mesh.group_ranks(gather_axes, mesh.coord_of(rank)):
             overlap = src_boxes[member].intersect(dst_box)
             covered += 0 if overlap is None else overlap.numel
-        if covered != dst_box.numel:
+            received += src_boxes[member].numel
+        if covered != dst_box.numel or received != dst_box.numel:
             return False
     return True

@@ -150,3 +150,27 @@ def _autograd():
 def test_gradients_come_back_sharded_like_the_parameter(world_size):
     for is_sharded, spec, close in run_ranks(_autograd, world_size, timeout=120):
         assert is_sharded and spec == (None, "model") and close
+
+
+def _moving_the_split_sends_only_needed_bytes():
+    import torch
+
+    import shardkit.spmd as xs
+
+    mesh = _mesh()  # 2x2 on 4 ranks
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    st = xs.mark_sharding(full, mesh, ("data", None))
+    with xs.count_collectives() as counts:
+        moved = st.redistribute(("model", None))
+    return (
+        torch.equal(moved.local_tensor(), full[moved.local_box().slices()]),
+        counts.total_bytes(),
+        counts.total_calls("all_gather"),
+    )
+
+
+def test_moving_the_split_sends_only_needed_bytes():
+    for exact, sent, gathers in run_ranks(_moving_the_split_sends_only_needed_bytes, 4):
+        assert exact
+        assert gathers == 0
+        assert sent <= 4 * 4 * 4  # at most the 4 rows a peer needs, never the whole tensor
