@@ -139,6 +139,12 @@ class Mesh:
                 self._groups[key] = mine
         return self._groups[key]
 
+    def __getstate__(self) -> dict:
+        # process groups belong to this process; a copy re-creates its own on first use
+        state = dict(self.__dict__)
+        state["_groups"] = {}
+        return state
+
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))
         return f"Mesh({axes}, device_ids={self.device_ids.reshape(-1).tolist()})"
