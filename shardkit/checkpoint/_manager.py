@@ -1,0 +1,389 @@
+"""CheckpointManager: one committed checkpoint per step, retention, async saves, preemption.
+
+See docs/checkpoint-manager.md. All ranks of ``process_group`` construct the manager
+and call ``save``/``save_async``/``all_steps``/``latest_step``/``restore``/``join``
+together: each is (or may be) a collective over the manager's own gloo group, which
+is separate from the training group so background work can never interleave with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._errors import CheckpointError
+from ._manager_storage import StepStore
+from ._preemption import PreemptionWatcher
+from ._retention import AnyPreservationPolicy as _Any
+from ._retention import LatestN, PreservationPolicy, steps_to_delete
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger(__name__)
+
+
+def _nonneg_int(name: str, value: Any, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_metrics(metrics: Any) -> dict[str, Any] | None:
+    if metrics is None:
+        return None
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
+        raise TypeError(f"metrics must be a dict with str keys, got {metrics!r}")
+    try:
+        json.dumps(metrics)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metrics must be JSON values (numbers, str, ...): {exc}") from None
+    for key, value in metrics.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"metrics[{key!r}] = {value!r} is not finite")
+    return metrics
+
+
+class CheckpointManager:
+    """Saves a checkpoint every ``save_interval`` steps under ``path`` and prunes old ones.
+
+    Args:
+        path: fsspec URL of the run's directory (local path, ``memory://``, ``s3://``...).
+        save_interval: ``should_save(step)`` is true when ``step % save_interval == 0``.
+        max_to_keep: keep only the newest N committed steps (0: keep all). Older ones
+            are deleted in the background once a newer step has committed.
+        max_pending_async: how many ``save_async`` saves may be in flight; the next waits.
+        process_group: the ranks that take part (default: the world). The manager runs
+            its own collectives on a private gloo group over those ranks.
+        chkpt_on_preemption: watch ``preemption_signal`` and checkpoint at the next save
+            call on every rank when any rank received it.
+        preemption_signal: the signal announcing preemption (e.g. ``signal.SIGUSR1``).
+        preservation_policy: a :class:`PreservationPolicy` (``EveryNSteps``, ``BestN``,
+            ...); a step is kept when it or ``max_to_keep`` keeps it. The newest
+            committed step is never deleted.
+        storage_options: fsspec options for ``path`` (credentials, ``endpoint_url``...).
+        async_process_group: group for the background commit of ``save_async``; default:
+            one more private gloo group. Never pass the training group.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        save_interval: int,
+        max_to_keep: int = 0,
+        max_pending_async: int = 1,
+        process_group: dist.ProcessGroup | None = None,
+        chkpt_on_preemption: bool = True,
+        *,
+        preemption_signal: int = signal.SIGTERM,
+        preservation_policy: PreservationPolicy | None = None,
+        storage_options: dict[str, Any] | None = None,
+        async_process_group: dist.ProcessGroup | None = None,
+    ):
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise TypeError(f"path must be a non-empty str or os.PathLike URL, got {path!r}")
+        self.save_interval = _nonneg_int("save_interval", save_interval, minimum=1)
+        self.max_to_keep = _nonneg_int("max_to_keep", max_to_keep)
+        self.max_pending_async = _nonneg_int("max_pending_async", max_pending_async, minimum=1)
+        if not isinstance(chkpt_on_preemption, bool):
+            raise TypeError(f"chkpt_on_preemption must be a bool, got {chkpt_on_preemption!r}")
+        if preservation_policy is not None and not isinstance(
+            preservation_policy, PreservationPolicy
+        ):
+            raise TypeError(
+                f"preservation_policy must have should_preserve(steps_with_metrics), got "
+                f"{type(preservation_policy).__name__}"
+            )
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict, got {storage_options!r}")
+        policies = [LatestN(self.max_to_keep)] if self.max_to_keep else []
+        policies += [preservation_policy] if preservation_policy is not None else []
+        self.preservation_policy = (
+            None if not policies else policies[0] if len(policies) == 1 else _Any(policies)
+        )
+        self._store = StepStore(os.fspath(path), storage_options)
+        self.path = self._store.url
+        self._init_groups(process_group, async_process_group)
+        self._watcher = PreemptionWatcher(preemption_signal) if chkpt_on_preemption else None
+        self._lock = threading.Lock()
+        self._in_flight: deque[tuple[int, Future, threading.Event]] = deque()
+        self._errors: list[BaseException] = []
+        self._retention = ThreadPoolExecutor(1, thread_name_prefix="shardkit-retention")
+        self._retention_futures: list[Future] = []
+        self._metrics: dict[int, dict[str, Any] | None] = {}
+        self._preemption_step: int | None = None
+        self._closed = False
+        if self._is_coordinator:
+            removed = self._store.remove_incomplete()
+            if removed:
+                log.warning("removed incomplete step directories %s under %s", removed, self.path)
+        steps = self.all_steps()  # also the barrier: nobody saves before the cleanup ends
+        self._last_step = steps[-1] if steps else None
+
+    # -- process groups ---------------------------------------------------------------
+    def _init_groups(self, process_group, async_process_group) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            if process_group is not None or async_process_group is not None:
+                raise ValueError(
+                    "process_group/async_process_group given but torch.distributed is not "
+                    "initialized; call shardkit.runtime.init() first or pass None"
+                )
+            self._ranks, self._rank = [0], 0
+            self._ctrl = self._async_group = None
+            self._is_coordinator = True
+            return
+        group = process_group if process_group is not None else dist.group.WORLD
+        self._ranks = dist.get_process_group_ranks(group)
+        self._rank = dist.get_rank(group)
+        if self._rank < 0:
+            raise ValueError(f"this rank ({dist.get_rank()}) is not in process_group")
+        self._is_coordinator = self._rank == 0
+        # Private CPU groups: control traffic (agreement, listings) and background saves.
+        self._ctrl = dist.new_group(self._ranks, backend="gloo", use_local_synchronization=True)
+        if async_process_group is None:
+            async_process_group = dist.new_group(
+                self._ranks, backend="gloo", use_local_synchronization=True
+            )
+        elif async_process_group is group:
+            raise ValueError("async_process_group must not be the training process_group")
+        self._async_group = async_process_group
+
+    def _broadcast(self, value):
+        if self._ctrl is None or len(self._ranks) == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, group_src=0, group=self._ctrl)
+        return box[0]
+
+    # -- queries ------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is on the interval and newer than every step saved so far."""
+        step = self._check_step(step)
+        return step % self.save_interval == 0 and (
+            self._last_step is None or step > self._last_step
+        )
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending, as the coordinator lists them (same on every rank)."""
+        steps = self._store.committed_steps() if self._is_coordinator else None
+        return self._broadcast(steps)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once a preemption checkpoint was taken (or started, async) at or before ``step``.
+
+        The same on every rank. After it, finish with ``mgr.join()`` and exit.
+        """
+        step = self._check_step(step)
+        return self._preemption_step is not None and step >= self._preemption_step
+
+    @staticmethod
+    def _check_step(step: Any) -> int:
+        if isinstance(step, bool) or not isinstance(step, int):
+            if isinstance(step, torch.Tensor) or not hasattr(step, "__index__"):
+                raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+            step = int(step.__index__())
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return step
+
+    # -- saving ---------------------------------------------------------------------------
+    def save(self, step: int, state_dict: dict, force: bool = False, *, metrics=None) -> bool:
+        """Save ``state_dict`` as ``step`` if due (interval, ``force`` or preemption).
+
+        Blocks until the checkpoint is committed. Returns whether it saved.
+        """
+        return self._save(step, state_dict, force, metrics, blocking=True)
+
+    def save_async(self, step: int, state_dict: dict, force: bool = False, *, metrics=None) -> bool:
+        """Like :meth:`save`, but returns once the state is staged; commits in the background.
+
+        At most ``max_pending_async`` saves are in flight: the call waits for the oldest
+        before starting another. A failed background save raises
+        :class:`CheckpointError` (naming its step) here on the next call, or in :meth:`join`.
+        """
+        return self._save(step, state_dict, force, metrics, blocking=False)
+
+    def _save(self, step, state_dict, force, metrics, *, blocking: bool) -> bool:
+        self._check_open()
+        step = self._check_step(step)
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        metrics = _check_metrics(metrics)
+        self._raise_errors()
+        preempted = self._agree_on_preemption() and self._preemption_step is None
+        if preempted:
+            self._preemption_step = step  # every rank agreed on this very step
+        due = force or preempted or step % self.save_interval == 0
+        if not due or (self._last_step is not None and step <= self._last_step):
+            if force and self._last_step is not None and step <= self._last_step:
+                raise ValueError(
+                    f"step {step} is not newer than the last saved step {self._last_step} "
+                    f"under {self.path}; steps must increase"
+                )
+            return False
+        # Bound the backlog: the in-flight limit, and retention of every finished commit
+        # (so at most max_to_keep + max_pending_async committed steps exist at any time).
+        self._wait_in_flight(0 if blocking else self.max_pending_async - 1)
+        self._wait_retention()
+        from . import _manager_io as io
+
+        if self._is_coordinator:
+            self._store.write_metrics(step, metrics)
+        previous, self._last_step = self._last_step, step
+        try:
+            future = None if blocking else io.save_step_async(self, step, state_dict)
+            if blocking:
+                io.save_step(self, step, state_dict)
+        except Exception as exc:
+            self._last_step = previous
+            raise CheckpointError(f"save of step {step} to {self.path} failed: {exc}") from exc
+        if blocking:
+            self._on_committed(step, metrics)
+        else:
+            handled = threading.Event()
+            self._in_flight.append((step, future, handled))
+            future.add_done_callback(
+                lambda f, s=step, m=metrics, h=handled: self._on_async_done(s, m, f, h)
+            )
+        return True
+
+    def _agree_on_preemption(self) -> bool:
+        if self._watcher is None:
+            return False
+        flag = self._watcher.received()
+        if self._ctrl is None or len(self._ranks) == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctrl)
+        return bool(t.item())
+
+    def _on_async_done(self, step: int, metrics, future: Future, handled) -> None:
+        try:
+            exc = future.exception()
+            if exc is None:
+                self._on_committed(step, metrics)
+                return
+            err = CheckpointError(f"background save of step {step} to {self.path} failed: {exc}")
+            err.__cause__ = exc
+            with self._lock:
+                self._errors.append(err)
+        finally:
+            handled.set()
+
+    def _on_committed(self, step: int, metrics) -> None:
+        if not self._is_coordinator:
+            return
+        with self._lock:
+            self._metrics[step] = metrics
+            self._retention_futures.append(self._retention.submit(self._retain))
+
+    def _retain(self) -> None:
+        """One retention pass over storage (coordinator, retention thread)."""
+        if self.preservation_policy is None:
+            return
+        committed = self._store.committed_steps()
+        with self._lock:
+            known = {s: self._metrics[s] for s in committed if s in self._metrics}
+        for s in committed:
+            if s not in known:
+                known[s] = self._store.read_metrics(s)
+        for s in steps_to_delete(self.preservation_policy, known):
+            try:
+                self._store.delete(s)
+            except Exception as exc:  # retried by the next pass; training goes on
+                log.warning("could not delete step %d under %s: %s", s, self.path, exc)
+                continue
+            with self._lock:
+                self._metrics.pop(s, None)
+
+    # -- waiting ------------------------------------------------------------------------
+    def _wait_in_flight(self, keep: int) -> None:
+        while len(self._in_flight) > keep:
+            _, future, handled = self._in_flight.popleft()
+            try:
+                future.result()
+            except BaseException:
+                pass  # recorded by the done callback; raised below
+            handled.wait()
+        self._raise_errors()
+
+    def _wait_retention(self) -> None:
+        with self._lock:
+            pending, self._retention_futures = self._retention_futures, []
+        for future in pending:
+            future.result()
+
+    def _raise_errors(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def join(self) -> None:
+        """Wait for every in-flight save and retention pass; raise the first failure."""
+        self._wait_in_flight(0)
+        self._wait_retention()
+        self._raise_errors()
+
+    # -- restoring ------------------------------------------------------------------------
+    def restore(self, step: int, state_dict: dict) -> dict:
+        """Load committed ``step`` into ``state_dict`` in place, resharding as needed.
+
+        Prime optimizers first (:func:`prime_optimizer`) so their state exists to load into.
+        Returns ``state_dict``.
+        """
+        self._check_open()
+        step = self._check_step(step)
+        steps = self.all_steps()
+        if step not in steps:
+            raise ValueError(
+                f"step {step} has no committed checkpoint under {self.path}; "
+                f"committed steps: {steps}"
+            )
+        from . import _manager_io as io
+
+        io.load_step(self, step, state_dict)
+        return state_dict
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"CheckpointManager({self.path!r}) is closed")
+
+    def close(self) -> None:
+        """``join()``, then uninstall the preemption handler and stop the background thread."""
+        if self._closed:
+            return
+        try:
+            self.join()
+        finally:
+            self._closed = True
+            if self._watcher is not None:
+                self._watcher.close()
+            self._retention.shutdown(wait=True)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointManager({self.path!r}, save_interval={self.save_interval}, "
+            f"max_to_keep={self.max_to_keep}, policy={self.preservation_policy!r})"
+        )
