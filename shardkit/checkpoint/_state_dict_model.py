@@ -1,0 +1,177 @@
+"""Model state dicts keyed by the unwrapped model's FQNs."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from torch import nn
+
+from ._state_dict_fqn import (
+    clean_key,
+    root_sharded_module,
+    sharded_modules,
+    under,
+    unwrap,
+)
+from ._state_dict_options import StateDictOptions, resolve_options
+from ._state_dict_values import check_compatible, export_value, import_value
+
+__all__ = ["IncompatibleKeys", "get_model_state_dict", "set_model_state_dict"]
+
+
+class IncompatibleKeys(NamedTuple):
+    """Keys the model has but the state dict lacked, and keys the model does not have."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def submodule_prefixes(model: nn.Module, submodules: Iterable[nn.Module] | None) -> list[str]:
+    """Clean FQNs of ``submodules`` inside ``model`` (``[""]`` for the whole model)."""
+    if submodules is None:
+        return [""]
+    root = unwrap(model)
+    names = {id(m): clean_key(root, raw) for raw, m in root.named_modules()}
+    prefixes = []
+    for module in submodules:
+        if id(module) not in names:
+            raise ValueError(
+                f"submodule {type(module).__name__} is not part of the model; pass "
+                "sub-modules reachable from the model's named_modules()"
+            )
+        prefixes.append(names[id(module)])
+    return prefixes
+
+
+def _live_entries(model: nn.Module) -> tuple[dict[str, tuple[str | None, Any]], dict]:
+    """Clean key -> (raw key or None for a sharded-module entry, live value).
+
+    The second result maps each sharded module's clean prefix to the module.
+    """
+    top = root_sharded_module(model)
+    if top is not None:
+        entries = {k: (None, v) for k, v in top._shardkit_sharded_state_dict().items()}
+        return entries, {"": top}
+    root = unwrap(model)
+    nested = sharded_modules(root)
+    entries: dict[str, tuple[str | None, Any]] = {}
+    for raw, value in root.state_dict(keep_vars=True).items():
+        key = clean_key(root, raw)
+        if not under(key, nested):
+            entries[key] = (raw, value)
+    for prefix, module in nested.items():
+        for k, v in module._shardkit_sharded_state_dict().items():
+            entries[f"{prefix}.{k}"] = (None, v)
+    return entries, nested
+
+
+def _frozen(model: nn.Module) -> set[str]:
+    root = unwrap(model)
+    return {
+        clean_key(root, raw)
+        for raw, p in root.named_parameters(remove_duplicate=False)
+        if not p.requires_grad
+    }
+
+
+def get_model_state_dict(
+    model: nn.Module,
+    *,
+    submodules: Iterable[nn.Module] | None = None,
+    options: StateDictOptions | None = None,
+) -> dict[str, Any]:
+    """The model's state dict keyed by unwrapped FQNs.
+
+    Sharded parameters stay ``DTensor`` / ``ShardedTensor`` (so a checkpoint reshards
+    them) unless ``options.full_state_dict``. Modules implementing
+    ``_shardkit_sharded_state_dict()`` answer for themselves.
+
+    Args:
+        model: a plain module, or one wrapped by torch DDP, shardkit DDP/FSDP,
+            ``torch.compile``, activation checkpointing or torch FSDP2.
+        submodules: keep only the entries of these sub-modules (keys stay model-relative).
+        options: see :class:`StateDictOptions`.
+    """
+    opts = resolve_options(options)
+    prefixes = submodule_prefixes(model, submodules)
+    entries, _ = _live_entries(model)
+    frozen = _frozen(model) if opts.ignore_frozen_params else set()
+    out: dict[str, Any] = {}
+    for key, (_, value) in entries.items():
+        if key in frozen or not under(key, prefixes):
+            continue
+        out[key] = export_value(value, full=opts.full_state_dict, cpu=opts.cpu_offload)
+    return out
+
+
+def _report(what: str, missing: list[str], unexpected: list[str], strict: bool) -> None:
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing keys {missing}")
+    if unexpected:
+        parts.append(f"unexpected keys {unexpected}")
+    msg = f"{what}: " + " and ".join(parts)
+    if strict:
+        raise ValueError(
+            msg + "; fix the state dict, or pass StateDictOptions(strict=False) to skip them"
+        )
+    warnings.warn(msg + "; skipped (strict=False)", stacklevel=3)
+
+
+def set_model_state_dict(
+    model: nn.Module,
+    model_state_dict: Mapping[str, Any],
+    *,
+    options: StateDictOptions | None = None,
+) -> IncompatibleKeys:
+    """Load ``model_state_dict`` (keyed by unwrapped FQNs) into ``model`` in place.
+
+    Full tensors are sliced into sharded parameters locally; sharded values (e.g. after an
+    N->M resharding load) are copied shard to shard. A shape or dtype mismatch raises
+    ``ValueError`` naming the key and both shapes / dtypes.
+
+    Returns:
+        :class:`IncompatibleKeys` (empty lists unless ``options.strict`` is off).
+    """
+    opts = resolve_options(options)
+    if not isinstance(model_state_dict, Mapping):
+        raise TypeError(
+            f"model_state_dict must be a mapping of FQN -> value, got "
+            f"{type(model_state_dict).__name__}"
+        )
+    entries, sharded = _live_entries(model)
+    frozen = _frozen(model) if opts.ignore_frozen_params else set()
+    missing = sorted(k for k in entries if k not in model_state_dict and k not in frozen)
+    unexpected = sorted(k for k in model_state_dict if k not in entries)
+    _report("set_model_state_dict", missing, unexpected, opts.strict)
+
+    plain: dict[str, Any] = {}
+    per_module: dict[str, dict[str, Any]] = {prefix: {} for prefix in sharded}
+    for key, value in model_state_dict.items():
+        if key not in entries:
+            continue
+        raw, target = entries[key]
+        check_compatible(key, value, target, what="set_model_state_dict")
+        value = import_value(value, target)
+        if raw is not None:
+            plain[raw] = value
+            continue
+        prefix = next(p for p in sharded if under(key, [p]))
+        per_module[prefix][key[len(prefix) + 1 :] if prefix else key] = value
+
+    root = unwrap(model)
+    if plain:
+        _load_plain(root, plain)
+    for prefix, module in sharded.items():
+        module._shardkit_load_sharded_state_dict(per_module[prefix])
+    return IncompatibleKeys(missing, unexpected)
+
+
+def _load_plain(root: nn.Module, plain: dict[str, Any]) -> None:
+    """Copy values through ``load_state_dict`` so module hooks (FSDP2's) run."""
+    result = root.load_state_dict(plain, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys

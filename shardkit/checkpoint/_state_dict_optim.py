@@ -1,0 +1,228 @@
+"""Optimizer state dicts keyed by parameter FQN, so they reshard N->M ranks."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..spmd import ShardedTensor
+from ._state_dict_fqn import param_fqns, under
+from ._state_dict_model import submodule_prefixes
+from ._state_dict_options import StateDictOptions, resolve_options
+from ._state_dict_values import export_value, import_value, is_sharded
+
+__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "as_optimizers"]
+
+
+def as_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
+    """One optimizer or an iterable of them, as a list."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    try:
+        optims = list(optimizers)
+    except TypeError:
+        optims = None
+    if not optims or not all(isinstance(o, torch.optim.Optimizer) for o in optims):
+        raise TypeError(
+            "optimizers must be a torch.optim.Optimizer or a non-empty iterable of them, got "
+            f"{type(optimizers).__name__}"
+        )
+    return optims
+
+
+def _params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters in the order ``Optimizer.state_dict()`` numbers them."""
+    return [p for group in optim.param_groups for p in group["params"]]
+
+
+def prime_state(optim: torch.optim.Optimizer) -> None:
+    """Allocate an untouched optimizer's state so a checkpoint can load into it in place.
+
+    Runs one step with zero gradients and learning rate 0, then zeroes every state tensor
+    it created, which is what a fresh optimizer would start from (step 0, zero moments).
+    """
+    if optim.state:
+        return
+    made_grads = []
+    for p in _params(optim):
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+            made_grads.append(p)
+    if not made_grads:
+        return
+    lrs = []
+    for group in optim.param_groups:
+        lrs.append(group.get("lr"))
+        if "lr" in group:
+            group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for p in made_grads:
+            p.grad = None
+    with torch.no_grad():
+        for state in optim.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.zero_()
+
+
+def _layouts(
+    owners: dict[int, tuple[nn.Module, str]], fqns: dict[int, str]
+) -> dict[int, ShardedTensor]:
+    """For plain local parameters a sharded module answers for, its ShardedTensor layout."""
+    cache: dict[int, dict[str, Any]] = {}
+    out: dict[int, ShardedTensor] = {}
+    for pid, (module, prefix) in owners.items():
+        if id(module) not in cache:
+            cache[id(module)] = module._shardkit_sharded_state_dict()
+        name = fqns[pid][len(prefix) + 1 :] if prefix else fqns[pid]
+        value = cache[id(module)].get(name)
+        if isinstance(value, ShardedTensor):
+            out[pid] = value
+    return out
+
+
+def _wrap_like(value: Any, param: torch.Tensor, layout: ShardedTensor | None) -> Any:
+    """A state tensor of a plain local shard, re-described as its global sharded value."""
+    if layout is None or not torch.is_tensor(value) or is_sharded(value) or value.ndim == 0:
+        return value
+    if tuple(value.shape) != tuple(param.shape):
+        return value
+    with torch.no_grad():
+        return ShardedTensor.from_local(value, layout.mesh, layout.partition_spec, layout.shape)
+
+
+def get_optimizer_state_dict(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    *,
+    submodules: Iterable[nn.Module] | None = None,
+    options: StateDictOptions | None = None,
+) -> dict[str, Any]:
+    """``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``.
+
+    State of a sharded parameter stays sharded like the parameter (unless
+    ``options.full_state_dict``), so the checkpoint core reshards it. An optimizer that
+    has not stepped yet gets its state allocated first (see :func:`prime_state`).
+    """
+    opts = resolve_options(options)
+    optims = as_optimizers(optimizers)
+    prefixes = submodule_prefixes(model, submodules)
+    fqns, owners = param_fqns(model)
+    layouts = _layouts(owners, fqns)
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for n, optim in enumerate(optims):
+        prime_state(optim)
+        params = _params(optim)
+        names = []
+        for i, p in enumerate(params):
+            if id(p) not in fqns:
+                raise ValueError(
+                    f"optimizer {n} parameter {i} (shape {tuple(p.shape)}) is not a parameter "
+                    "of the model; build the optimizer from model.parameters()"
+                )
+            names.append(fqns[id(p)])
+        osd = optim.state_dict()
+        for i, entry in osd["state"].items():
+            if not under(names[i], prefixes):
+                continue
+            param = params[i]
+            state[names[i]] = {
+                k: export_value(
+                    _wrap_like(v, param, layouts.get(id(param))),
+                    full=opts.full_state_dict,
+                    cpu=opts.cpu_offload,
+                )
+                for k, v in entry.items()
+            }
+        for group in osd["param_groups"]:
+            kept = [names[i] for i in group["params"] if under(names[i], prefixes)]
+            if kept:
+                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": kept})
+    return {"state": state, "param_groups": groups}
+
+
+def _saved_group(saved: list[dict[str, Any]], names: list[str]) -> dict[str, Any] | None:
+    wanted = set(names)
+    for group in saved:
+        if wanted & set(group.get("params", ())):
+            return group
+    return None
+
+
+def _import_for(value: Any, param: torch.Tensor, layout: ShardedTensor | None) -> Any:
+    if layout is not None and torch.is_tensor(value) and value.ndim > 0:
+        if tuple(value.shape) == tuple(layout.shape) and tuple(value.shape) != tuple(param.shape):
+            value = import_value(value, layout)
+        if isinstance(value, ShardedTensor):
+            if value.partition_spec != layout.partition_spec:
+                value = value.redistribute(layout.partition_spec)
+            return value.local_tensor().detach()
+    if torch.is_tensor(value) and value.ndim > 0 and tuple(value.shape) == tuple(param.shape):
+        return import_value(value, param)
+    return value
+
+
+def set_optimizer_state_dict(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    optim_state_dict: Mapping[str, Any],
+    *,
+    options: StateDictOptions | None = None,
+) -> None:
+    """Load an FQN-keyed optimizer state dict into ``optimizers`` in place.
+
+    Hyperparameters come from the saved group holding the same parameters. Full state
+    tensors are sliced like their (sharded) parameter. Saved state for parameters none of
+    ``optimizers`` holds is skipped with a warning, so one merged state dict can be loaded
+    into several optimizers one call at a time.
+    """
+    resolve_options(options)
+    optims = as_optimizers(optimizers)
+    if not isinstance(optim_state_dict, Mapping) or not {"state", "param_groups"} <= set(
+        optim_state_dict
+    ):
+        raise ValueError(
+            "optim_state_dict must be a mapping with 'state' and 'param_groups' keys, as "
+            "returned by get_optimizer_state_dict"
+        )
+    saved_state, saved_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
+    fqns, owners = param_fqns(model)
+    layouts = _layouts(owners, fqns)
+    used: set[str] = set()
+    for optim in optims:
+        new_state: dict[int, dict[str, Any]] = {}
+        new_groups: list[dict[str, Any]] = []
+        index = 0
+        for group in optim.param_groups:
+            names = [
+                fqns.get(id(p), f"<unnamed {index + j}>") for j, p in enumerate(group["params"])
+            ]
+            saved = _saved_group(saved_groups, names)
+            base = {k: v for k, v in (saved or group).items() if k != "params"}
+            new_groups.append({**base, "params": list(range(index, index + len(names)))})
+            for p, name in zip(group["params"], names):
+                if name in saved_state:
+                    used.add(name)
+                    layout = layouts.get(id(p))
+                    new_state[index] = {
+                        k: _import_for(v, p, layout) for k, v in saved_state[name].items()
+                    }
+                index += 1
+        optim.load_state_dict({"state": new_state, "param_groups": new_groups})
+    extra = sorted(set(saved_state) - used)
+    if extra:
+        warnings.warn(
+            f"set_optimizer_state_dict: state for {extra} matches no parameter of the given "
+            "optimizers; skipped",
+            stacklevel=2,
+        )

@@ -1,0 +1,82 @@
+"""Value conversions for the state-dict helpers: gather, offload, and re-shard a full
+value like the tensor it is loaded into."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..spmd import ShardedTensor, mark_sharding
+
+__all__ = ["is_sharded", "export_value", "import_value", "check_compatible"]
+
+
+def is_sharded(value: object) -> bool:
+    """A torch ``DTensor`` or a shardkit ``ShardedTensor``."""
+    return isinstance(value, (DTensor, ShardedTensor))
+
+
+def export_value(value: object, *, full: bool, cpu: bool) -> object:
+    """A value as it goes into a returned state dict (detached, gathered / offloaded)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    with torch.no_grad():
+        value = value.detach()
+        if full and is_sharded(value):
+            value = value.full_tensor()
+        if cpu and not is_sharded(value):
+            value = value.cpu()
+    return value
+
+
+def _local_like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The plain full ``value`` laid out like the sharded ``target`` (no communication)."""
+    if isinstance(target, DTensor):
+        value = value.to(device=target.device)
+        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    assert isinstance(target, ShardedTensor)
+    return mark_sharding(value.to(device=target.device), target.mesh, target.partition_spec)
+
+
+def import_value(value: object, target: object) -> object:
+    """``value`` converted so it can be copied into ``target``.
+
+    A full value meant for a sharded target is sliced locally; a sharded value meant for a
+    plain target is gathered; a plain value moves to the target's device.
+    """
+    if not isinstance(value, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return value
+    with torch.no_grad():
+        value = value.detach()
+        if is_sharded(target) and not is_sharded(value):
+            return _local_like(value, target)
+        if is_sharded(value) and not is_sharded(target):
+            value = value.full_tensor()
+        if isinstance(value, ShardedTensor) and isinstance(target, DTensor):
+            return _local_like(value.full_tensor(), target)
+        if isinstance(value, DTensor) and isinstance(target, ShardedTensor):
+            return _local_like(value.full_tensor(), target)
+        if not is_sharded(value) and value.device != target.device:
+            value = value.to(device=target.device)
+    return value
+
+
+def check_compatible(key: str, value: object, target: object, *, what: str) -> None:
+    """Raise ``ValueError`` naming ``key`` and both shapes / dtypes on a mismatch."""
+    if not isinstance(target, torch.Tensor):
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{what} key {key!r}: expected a tensor of shape {tuple(target.shape)} and dtype "
+            f"{target.dtype}, got {type(value).__name__}"
+        )
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(
+            f"{what} key {key!r}: shape mismatch, the state dict has {tuple(value.shape)} "
+            f"but the model expects {tuple(target.shape)}"
+        )
+    if value.dtype != target.dtype:
+        raise ValueError(
+            f"{what} key {key!r}: dtype mismatch, the state dict has {value.dtype} but the "
+            f"model expects {target.dtype}; cast the value or the model first"
+        )
