@@ -1,0 +1,55 @@
+"""Distributed checkpointing: save / load / async_save with resharding (``import shardkit.checkpoint as dist_cp``).
+
+A checkpoint is a directory of safetensors data files plus a versioned JSON metadata file
+written last as the commit; every chunk carries a checksum verified on load, and nothing
+is ever unpickled unless the caller opts in. See docs/checkpoint.md.
+"""
+
+from ._async import async_save
+from ._errors import CheckpointError, CorruptCheckpointError
+from ._flatten import Stateful
+from ._format import ChunkMeta, Metadata, ObjectMeta, TensorMeta
+from ._load import is_committed, load, read_metadata
+from ._planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    SPMDLoadPlanner,
+    SPMDSavePlanner,
+    WriteItem,
+)
+from ._save import save
+from ._storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
+
+__all__ = [
+    "CheckpointError",
+    "ChunkMeta",
+    "CorruptCheckpointError",
+    "DefaultLoadPlanner",
+    "DefaultSavePlanner",
+    "FileSystemReader",
+    "FileSystemWriter",
+    "LoadPlan",
+    "LoadPlanner",
+    "Metadata",
+    "ObjectMeta",
+    "ReadItem",
+    "SPMDLoadPlanner",
+    "SPMDSavePlanner",
+    "SavePlan",
+    "SavePlanner",
+    "Stateful",
+    "StorageReader",
+    "StorageWriter",
+    "TensorMeta",
+    "WriteItem",
+    "async_save",
+    "is_committed",
+    "load",
+    "read_metadata",
+    "save",
+]

@@ -1,0 +1,134 @@
+"""async_save(): block only to stage this rank's share into reused CPU buffers.
+
+Planning and staging run in the caller's thread; writing, the all-ranks agreement and
+the commit run on a background thread over a private gloo group, so they never
+interleave with the training loop's collectives. At most one save is in flight per
+process: a second call first waits for the previous one to finish.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._comm import Comm
+from ._format import Metadata
+from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
+from ._save import SaveJob, prepare, resolve_writer, write_and_commit
+from ._storage import StorageWriter
+
+__all__ = ["async_save"]
+
+_ALIGN = 64
+_lock = threading.Lock()
+_inflight: Future | None = None
+_groups: dict[tuple[int, ...], Any] = {}
+
+
+class _StagingPool:
+    """One reusable byte buffer per process (pinned when CUDA is present)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None  # free the old buffer before allocating the larger one
+            self.buf = torch.empty(
+                max(nbytes, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+            )
+        return self.buf
+
+
+_pool = _StagingPool()
+
+
+def _private_group(process_group: Any) -> Any:
+    """A gloo group over the same ranks, created once (collectively) per rank set."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    if len(ranks) == 1:
+        return None
+    if ranks not in _groups:
+        _groups[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return _groups[ranks]
+
+
+def _stage(job: SaveJob) -> dict[tuple[str, tuple], torch.Tensor]:
+    items: list[WriteItem] = [i for _, items in job.files for i in items]
+    offsets, total = [], 0
+    for item in items:
+        offsets.append(total)
+        total += -(-item.nbytes // _ALIGN) * _ALIGN
+    buf = _pool.take(total)
+    staged = {}
+    cuda = False
+    with torch.no_grad():
+        for item, off in zip(items, offsets):
+            src = job.planner.resolve_data(item)
+            dst = buf[off : off + item.nbytes].view(item.dtype).reshape(item.box.sizes)
+            cuda |= src.device.type == "cuda"
+            dst.copy_(src, non_blocking=src.device.type == "cuda")
+            staged[(item.key, item.box.offsets)] = dst
+    if cuda:
+        torch.cuda.synchronize()
+    return staged
+
+
+def async_save(
+    state_dict: dict,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: Any = None,
+) -> Future:
+    """Like :func:`save`, but return once this rank's share is staged in CPU memory.
+
+    The caller may change its tensors as soon as this returns. The first call creates a
+    private gloo group (collectively); a call made while a previous save is still in
+    flight waits for it first, so at most one staging copy exists per rank.
+
+    Returns:
+        A Future whose result is the committed :class:`Metadata`; any error (on any
+        rank) comes out of ``result()``.
+    """
+    global _inflight
+    writer = resolve_writer(checkpoint_id, storage_writer)
+    planner = planner if planner is not None else DefaultSavePlanner()
+    if not isinstance(planner, SavePlanner):
+        raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
+    with _lock:
+        previous = _inflight
+    if previous is not None:
+        previous.exception()  # wait; its error belongs to its own Future
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+    try:
+        comm = Comm(_private_group(process_group))
+        job = prepare(state_dict, planner, comm, writer.thread_count)
+        staged = _stage(job)
+    except BaseException as exc:
+        future.set_exception(exc)
+        return future
+
+    def run() -> None:
+        try:
+            md: Metadata = write_and_commit(
+                job, writer, comm, lambda item: staged[(item.key, item.box.offsets)]
+            )
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(md)
+
+    with _lock:
+        _inflight = future
+    threading.Thread(target=run, name="shardkit-async-save", daemon=False).start()
+    return future

@@ -1,0 +1,65 @@
+"""Small JSON exchanges between ranks (never pickle: ``all_gather_object`` unpickles)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._errors import CheckpointError
+
+
+class Comm:
+    """The ranks taking part in one save or load; a world of one without a process group."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.active = dist.is_available() and dist.is_initialized()
+        if group is not None and not self.active:
+            raise ValueError("process_group was given but no process group is initialized")
+        self.rank = dist.get_rank(group) if self.active else 0
+        self.world_size = dist.get_world_size(group) if self.active else 1
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the given process_group")
+
+    def _device(self) -> torch.device:
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        raw = json.dumps(obj, separators=(",", ":")).encode()
+        if self.world_size == 1:
+            return [json.loads(raw)]
+        device = self._device()
+        size = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        lengths = [int(s.item()) for s in sizes]
+        buf = torch.zeros(max(lengths), dtype=torch.uint8)
+        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        buf = buf.to(device)
+        outs = [torch.empty_like(buf) for _ in range(self.world_size)]
+        dist.all_gather(outs, buf, group=self.group)
+        return [json.loads(bytes(o[:n].cpu().numpy())) for o, n in zip(outs, lengths)]
+
+    def agree(self, error: BaseException | None, what: str, payload: Any = None) -> list[Any]:
+        """Exchange success flags (and payloads); if any rank failed, every rank raises.
+
+        The failing rank re-raises its own exception; the others raise CheckpointError
+        naming the failing ranks and their messages.
+        """
+        mine = {"ok": error is None, "payload": payload if error is None else None}
+        if error is not None:
+            mine["error"] = f"{type(error).__name__}: {error}"
+        replies = self.all_gather_json(mine)
+        failed = {r: rep["error"] for r, rep in enumerate(replies) if not rep["ok"]}
+        if failed:
+            if error is not None:
+                raise error
+            detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed.items())
+            raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {detail}")
+        return [rep["payload"] for rep in replies]

@@ -1,0 +1,192 @@
+"""Flatten a state dict into keyed leaves: tensor shards, JSON values, Stateful objects.
+
+Every tensor kind reduces to the one shared abstraction: a global shape, a dtype, and the
+local piece with its :class:`Box` in the global index space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..spmd import ShardedTensor
+from ..spmd.layout import Box, chunk_bounds
+from ._format import is_json_value
+
+__all__ = ["Stateful"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object saved through its ``state_dict()`` and restored by ``load_state_dict()``.
+
+    ``torch.nn.Module`` and ``torch.optim.Optimizer`` qualify as they are.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class TensorLeaf:
+    """One rank's piece of a tensor value."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    box: Box
+    local: torch.Tensor
+
+
+@dataclass
+class Slot:
+    """Where a non-tensor value lives in the caller's containers (to replace it on load)."""
+
+    container: Any
+    index: Any
+
+
+@dataclass
+class Flat:
+    """A flattened state dict."""
+
+    tensors: dict[str, TensorLeaf]
+    values: dict[str, Any]
+    objects: dict[str, Any]
+    slots: dict[str, Slot]
+    statefuls: list[tuple[Stateful, dict]]
+
+
+def _dtensor_types():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
+def _dtensor_leaf(key: str, dt: Any, for_save: bool) -> TensorLeaf | None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(dt.placements)
+    if any(p.is_partial() for p in placements):
+        if not for_save:
+            raise ValueError(f"key {key!r}: cannot load into a DTensor with Partial placements")
+        placements = tuple(Replicate() if p.is_partial() else p for p in placements)
+        dt = dt.redistribute(dt.device_mesh, placements)
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    shape = tuple(int(s) for s in dt.shape)
+    if coord is None:  # this rank is not in the tensor's mesh
+        return None
+    offsets, sizes = [0] * len(shape), list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if type(p) is Shard:
+            d = p.dim if p.dim >= 0 else p.dim + len(shape)
+            off, size = chunk_bounds(sizes[d], mesh.size(mesh_dim), coord[mesh_dim])
+            offsets[d] += off
+            sizes[d] = size
+        elif not isinstance(p, Replicate):
+            raise TypeError(
+                f"key {key!r}: DTensor placement {p!r} is not supported; redistribute to "
+                "Shard/Replicate placements before saving"
+            )
+    local = dt._local_tensor.detach()
+    if tuple(local.shape) != tuple(sizes):
+        raise ValueError(
+            f"key {key!r}: DTensor local shape {tuple(local.shape)} differs from the "
+            f"expected shard shape {tuple(sizes)}; uneven DTensor layouts are not supported"
+        )
+    return TensorLeaf(key, shape, dt.dtype, Box(tuple(offsets), tuple(sizes)), local)
+
+
+def tensor_leaf(key: str, t: torch.Tensor, for_save: bool) -> TensorLeaf | None:
+    """The leaf of any supported tensor kind (None when this rank holds no piece)."""
+    if isinstance(t, ShardedTensor):
+        if t.placement.partial:
+            if not for_save:
+                raise ValueError(
+                    f"key {key!r}: cannot load into a ShardedTensor with a pending reduction"
+                )
+            t = t.redistribute(t.partition_spec)
+        return TensorLeaf(key, tuple(t.shape), t.dtype, t.local_box(), t._local_tensor.detach())
+    dtensor = _dtensor_types()
+    if dtensor is not None and isinstance(t, dtensor):
+        return _dtensor_leaf(key, t, for_save)
+    if t.layout != torch.strided:
+        raise TypeError(f"key {key!r}: {t.layout} tensors are not supported; call .to_dense()")
+    return TensorLeaf(key, tuple(t.shape), t.dtype, Box.full(t.shape), t.detach())
+
+
+def _join(prefix: str, k: Any) -> str:
+    return f"{prefix}.{k}" if prefix else str(k)
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor) or isinstance(value, Stateful):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return False
+
+
+def flatten(state_dict: dict, *, for_save: bool) -> Flat:
+    """Flatten ``state_dict`` into dotted keys.
+
+    A container with no tensor and no Stateful inside is one JSON value (so a list can
+    change length between save and load); other containers are walked. Stateful objects
+    are replaced by their ``state_dict()``.
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    flat = Flat({}, {}, {}, {}, [])
+    seen: dict[str, str] = {}
+
+    def claim(key: str, what: str) -> None:
+        if key in seen:
+            raise ValueError(
+                f"two entries flatten to the same key {key!r} ({seen[key]} and {what}); "
+                "rename one so dotted paths are unique"
+            )
+        seen[key] = what
+
+    def walk(value: Any, key: str, container: Any, index: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            claim(key, "a tensor")
+            leaf = tensor_leaf(key, value, for_save)
+            if leaf is not None:
+                flat.tensors[key] = leaf
+            return
+        if isinstance(value, Stateful) and not isinstance(value, (dict, list, tuple)):
+            inner = value.state_dict()
+            if not isinstance(inner, dict):
+                raise TypeError(
+                    f"key {key!r}: {type(value).__name__}.state_dict() returned "
+                    f"{type(inner).__name__}, expected a dict"
+                )
+            flat.statefuls.append((value, inner))
+            walk_container(inner, key)
+            return
+        if isinstance(value, (dict, list, tuple)) and _has_tensor(value):
+            walk_container(value, key)
+            return
+        claim(key, "a value")
+        flat.slots[key] = Slot(container, index)
+        if is_json_value(value):
+            flat.values[key] = value
+        else:
+            flat.objects[key] = value
+
+    def walk_container(value: Any, prefix: str) -> None:
+        items: Callable = value.items if isinstance(value, dict) else lambda: enumerate(value)
+        for k, v in items():
+            walk(v, _join(prefix, k), value, k)
+
+    walk_container(state_dict, "")
+    return flat

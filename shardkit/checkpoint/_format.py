@@ -1,0 +1,315 @@
+"""The on-disk format: metadata JSON, value encoding, safetensors headers, chunk checksums.
+
+See docs/checkpoint-format.md for the specification this module implements.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from ..spmd.layout import Box
+from ._errors import CorruptCheckpointError
+
+__all__ = ["Metadata", "TensorMeta", "ChunkMeta", "ObjectMeta"]
+
+FORMAT_NAME = "shardkit.checkpoint"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+#: Target bytes covered by one checksum: a partial read verifies whole blocks only.
+BLOCK_BYTES = 4 << 20
+_MAX_HEADER = 100 << 20
+
+# torch dtype <-> (metadata name, safetensors name)
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_BY_NAME = {str(d).removeprefix("torch."): d for d in _DTYPES}
+
+
+def dtype_name(dtype: torch.dtype, key: str) -> str:
+    """The metadata name of a dtype (``"float32"``); refuses dtypes safetensors cannot hold."""
+    if dtype not in _DTYPES:
+        raise TypeError(
+            f"key {key!r}: dtype {dtype} cannot be stored in safetensors; supported: "
+            f"{sorted(_BY_NAME)}. Convert the tensor (e.g. a complex one with torch.view_as_real)"
+        )
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str, source: str) -> torch.dtype:
+    if name not in _BY_NAME:
+        raise CorruptCheckpointError(f"{source}: unknown dtype {name!r}")
+    return _BY_NAME[name]
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    return _DTYPES[dtype]
+
+
+# -- chunk checksums ----------------------------------------------------------------------
+def row_bytes(sizes: Sequence[int], itemsize: int) -> int:
+    """Bytes of one dim-0 row of a chunk (a 0-d chunk is one row of one element)."""
+    return math.prod(sizes[1:]) * itemsize if sizes else itemsize
+
+
+def num_rows(sizes: Sequence[int]) -> int:
+    return int(sizes[0]) if sizes else 1
+
+
+def block_rows_for(sizes: Sequence[int], itemsize: int) -> int:
+    """Rows per checksum block: about BLOCK_BYTES, at least one row."""
+    return max(1, BLOCK_BYTES // max(1, row_bytes(sizes, itemsize)))
+
+
+def checksum_blocks(data: memoryview, block_bytes: int) -> list[str]:
+    """xxh3_64 hex digests of consecutive ``block_bytes`` slices of ``data``."""
+    return [
+        xxhash.xxh3_64_hexdigest(data[i : i + block_bytes])
+        for i in range(0, len(data), max(1, block_bytes))
+    ]
+
+
+# -- safetensors header -------------------------------------------------------------------
+def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int], int]]) -> bytes:
+    """The 8-byte length plus JSON header for tensors laid out back to back.
+
+    Args:
+        entries: ``(name, dtype, shape, nbytes)`` in file order.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME}}
+    pos = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {
+            "dtype": _DTYPES[dtype],
+            "shape": [int(s) for s in shape],
+            "data_offsets": [pos, pos + nbytes],
+        }
+        pos += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)  # data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+# -- JSON values --------------------------------------------------------------------------
+_TAG = "__shardkit__"
+
+
+def is_json_value(value: Any) -> bool:
+    """Whether ``value`` round-trips through :func:`encode_value` without pickle."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(is_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(
+            (k is None or isinstance(k, (bool, int, float, str))) and is_json_value(v)
+            for k, v in value.items()
+        )
+    return False
+
+
+def encode_value(value: Any) -> Any:
+    """A strict-JSON form of a JSON-like value; tuples, non-string keys and nan/inf are tagged."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {_TAG: "float", "repr": repr(value)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {_TAG: "tuple", "items": [encode_value(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and _TAG not in value:
+            return {k: encode_value(v) for k, v in value.items()}
+        return {
+            _TAG: "dict",
+            "items": [[encode_value(k), encode_value(v)] for k, v in value.items()],
+        }
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+def decode_value(value: Any) -> Any:
+    """Inverse of :func:`encode_value`."""
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if isinstance(value, dict):
+        tag = value.get(_TAG)
+        if tag == "float":
+            return float(value["repr"])
+        if tag == "tuple":
+            return tuple(decode_value(v) for v in value["items"])
+        if tag == "dict":
+            return {decode_value(k): decode_value(v) for k, v in value["items"]}
+        return {k: decode_value(v) for k, v in value.items()}
+    return value
+
+
+# -- metadata -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChunkMeta:
+    """One stored piece of a tensor: its box and where its bytes are."""
+
+    box: Box
+    file: str
+    name: str
+    offset: int
+    nbytes: int
+    block_rows: int
+    checksums: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A saved tensor: global dtype and shape, and the chunks that tile it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkMeta, ...]
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """A value stored with pickle (only with an explicit opt-in)."""
+
+    file: str
+    offset: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass
+class Metadata:
+    """What a committed checkpoint holds; stored as JSON, never pickle.
+
+    Attributes:
+        save_id: unique id of the save that wrote it (part of every data file name).
+        world_size: number of ranks that saved it.
+        tensors: key -> :class:`TensorMeta`.
+        values: key -> JSON value, already decoded.
+        objects: key -> :class:`ObjectMeta` of values saved with ``allow_pickle=True``.
+        files: data file name -> size in bytes.
+    """
+
+    save_id: str
+    world_size: int
+    tensors: dict[str, TensorMeta] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    objects: dict[str, ObjectMeta] = field(default_factory=dict)
+    files: dict[str, int] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+    created: str = ""
+
+    def keys(self) -> list[str]:
+        """Every saved key: tensors, JSON values and pickled objects."""
+        return sorted([*self.tensors, *self.values, *self.objects])
+
+    def to_json(self) -> bytes:
+        """The metadata file's bytes."""
+        doc = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "save_id": self.save_id,
+            "created": self.created,
+            "world_size": self.world_size,
+            "files": self.files,
+            "tensors": {
+                key: {
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "chunks": [
+                        {
+                            "offsets": list(c.box.offsets),
+                            "sizes": list(c.box.sizes),
+                            "file": c.file,
+                            "name": c.name,
+                            "offset": c.offset,
+                            "nbytes": c.nbytes,
+                            "block_rows": c.block_rows,
+                            "xxh3_64": list(c.checksums),
+                        }
+                        for c in t.chunks
+                    ],
+                }
+                for key, t in self.tensors.items()
+            },
+            "values": {key: encode_value(v) for key, v in self.values.items()},
+            "objects": {
+                key: {"file": o.file, "offset": o.offset, "nbytes": o.nbytes, "xxh3_64": o.checksum}
+                for key, o in self.objects.items()
+            },
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, source: str = METADATA_FILE) -> Metadata:
+        """Parse a metadata file; any malformed content is a CorruptCheckpointError."""
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptCheckpointError(f"{source}: not valid JSON ({exc})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise CorruptCheckpointError(f"{source}: not a shardkit checkpoint metadata file")
+        version = doc.get("version")
+        if version != FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"{source}: unknown format version {version!r}; this shardkit reads version "
+                f"{FORMAT_VERSION}. Upgrade shardkit to load it"
+            )
+        try:
+            tensors = {}
+            for key, t in doc["tensors"].items():
+                chunks = tuple(
+                    ChunkMeta(
+                        box=Box(tuple(c["offsets"]), tuple(c["sizes"])),
+                        file=str(c["file"]),
+                        name=str(c["name"]),
+                        offset=int(c["offset"]),
+                        nbytes=int(c["nbytes"]),
+                        block_rows=int(c["block_rows"]),
+                        checksums=tuple(c["xxh3_64"]),
+                    )
+                    for c in t["chunks"]
+                )
+                tensors[key] = TensorMeta(
+                    dtype_from_name(t["dtype"], f"{source} key {key!r}"),
+                    tuple(int(s) for s in t["shape"]),
+                    chunks,
+                )
+            objects = {
+                key: ObjectMeta(str(o["file"]), int(o["offset"]), int(o["nbytes"]), o["xxh3_64"])
+                for key, o in doc["objects"].items()
+            }
+            return cls(
+                save_id=str(doc["save_id"]),
+                world_size=int(doc["world_size"]),
+                tensors=tensors,
+                values={k: decode_value(v) for k, v in doc["values"].items()},
+                objects=objects,
+                files={str(k): int(v) for k, v in doc["files"].items()},
+                version=version,
+                created=str(doc.get("created", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"{source}: malformed metadata ({exc!r})") from None

@@ -1,0 +1,235 @@
+"""load(): read only the saved bytes that overlap each local box, verifying checksums."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import xxhash
+
+from ._errors import CheckpointError, CorruptCheckpointError
+from ._flatten import Flat, flatten
+from ._format import METADATA_FILE, ChunkMeta, Metadata, num_rows, row_bytes
+from ._planner import DefaultLoadPlanner, LoadPlanner, ReadItem
+from ._storage import FileSystemReader, StorageReader
+
+__all__ = ["load", "read_metadata", "is_committed"]
+
+
+def resolve_reader(checkpoint_id: Any, storage_reader: StorageReader | None) -> StorageReader:
+    if storage_reader is not None:
+        if not isinstance(storage_reader, StorageReader):
+            raise TypeError(
+                f"storage_reader {storage_reader!r} does not implement StorageReader "
+                "(thread_count, read_metadata, file_size, read_into)"
+            )
+        return storage_reader
+    if checkpoint_id is None:
+        raise ValueError("pass checkpoint_id (a path or fsspec URL) or a storage_reader")
+    return FileSystemReader(checkpoint_id)
+
+
+def _metadata(reader: StorageReader) -> Metadata:
+    try:
+        raw = reader.read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"no committed checkpoint at {reader!r}: {METADATA_FILE} is missing (never saved, "
+            "or the save was interrupted before its commit)"
+        ) from None
+    return Metadata.from_json(raw, f"{reader!r}/{METADATA_FILE}")
+
+
+def read_metadata(checkpoint_id: str | os.PathLike) -> Metadata:
+    """The metadata of the committed checkpoint at ``checkpoint_id`` (parsed JSON only)."""
+    return _metadata(FileSystemReader(checkpoint_id))
+
+
+def _check_files(reader: StorageReader, metadata: Metadata, names: set[str], why: dict) -> None:
+    for name in sorted(names):
+        expected = metadata.files.get(name)
+        try:
+            size = reader.file_size(name)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{reader!r}: file {name} is missing; it holds {why.get(name, 'data')}"
+            ) from None
+        if size != expected:
+            raise CorruptCheckpointError(
+                f"{reader!r}: file {name} is {size} bytes but the metadata says {expected} "
+                f"(truncated or replaced); it holds {why.get(name, 'data')}"
+            )
+
+
+def is_committed(checkpoint_id: str | os.PathLike) -> bool:
+    """Whether a complete, committed checkpoint is at ``checkpoint_id``.
+
+    True iff its metadata parses and every file it names exists with the recorded size
+    (checksums are verified on load, not here).
+    """
+    reader = FileSystemReader(checkpoint_id)
+    try:
+        metadata = _metadata(reader)
+        _check_files(reader, metadata, set(metadata.files), {})
+    except CheckpointError:
+        return False
+    return True
+
+
+def _chunk_label(key: str, chunk: ChunkMeta) -> str:
+    return (
+        f"key {key!r} chunk offsets={list(chunk.box.offsets)} sizes={list(chunk.box.sizes)} "
+        f"in file {chunk.file}"
+    )
+
+
+def _read_item(reader: StorageReader, planner: LoadPlanner, item: ReadItem, dtype) -> None:
+    chunk, box = item.chunk, item.box
+    itemsize = dtype.itemsize
+    rb = row_bytes(chunk.box.sizes, itemsize)
+    rows = num_rows(chunk.box.sizes)
+    if box.ndim:
+        r0 = box.offsets[0] - chunk.box.offsets[0]
+        r1 = r0 + box.sizes[0]
+    else:
+        r0, r1 = 0, 1
+    b0, b1 = r0 // chunk.block_rows, math.ceil(r1 / chunk.block_rows)
+    start, stop = b0 * chunk.block_rows, min(b1 * chunk.block_rows, rows)
+    dest = planner.resolve_tensor(item)
+    direct = (
+        (start, stop) == (r0, r1)
+        and tuple(box.sizes[1:]) == tuple(chunk.box.sizes[1:])
+        and dest.device.type == "cpu"
+        and dest.is_contiguous()
+    )
+    buf = dest if direct else torch.empty((stop - start) * rb, dtype=torch.uint8)
+    view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+    try:
+        reader.read_into(chunk.file, chunk.offset + start * rb, view)
+    except (FileNotFoundError, EOFError) as exc:
+        raise CorruptCheckpointError(
+            f"cannot read {_chunk_label(item.key, chunk)}: {exc}"
+        ) from None
+    block = chunk.block_rows * rb
+    for b in range(b0, b1):
+        if b >= len(chunk.checksums):
+            raise CorruptCheckpointError(
+                f"{_chunk_label(item.key, chunk)}: block {b} has no checksum"
+            )
+        lo = (b - b0) * block
+        got = xxhash.xxh3_64_hexdigest(view[lo : lo + block])
+        if got != chunk.checksums[b]:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {_chunk_label(item.key, chunk)}, rows "
+                f"{b * chunk.block_rows}..{min((b + 1) * chunk.block_rows, rows)}: "
+                f"stored {chunk.checksums[b]}, read {got}"
+            )
+    if direct:
+        return
+    src = buf.view(dtype).reshape((stop - start, *chunk.box.sizes[1:]) if box.ndim else ())
+    if box.ndim:
+        inner = tuple(
+            slice(o - co, o - co + s)
+            for o, s, co in zip(box.offsets[1:], box.sizes[1:], chunk.box.offsets[1:])
+        )
+        src = src[(slice(r0 - start, r1 - start), *inner)]
+    with torch.no_grad():
+        dest.copy_(src)
+
+
+def _load_object(reader: StorageReader, key: str, metadata: Metadata) -> Any:
+    meta = metadata.objects[key]
+    buf = bytearray(meta.nbytes)
+    try:
+        reader.read_into(meta.file, meta.offset, memoryview(buf))
+    except (FileNotFoundError, EOFError) as exc:
+        raise CorruptCheckpointError(f"cannot read key {key!r} from {meta.file}: {exc}") from None
+    if xxhash.xxh3_64_hexdigest(buf) != meta.checksum:
+        raise CorruptCheckpointError(f"checksum mismatch for key {key!r} in file {meta.file}")
+    return pickle.loads(bytes(buf))
+
+
+def _apply_values(
+    reader: StorageReader, flat: Flat, metadata: Metadata, planner: LoadPlanner
+) -> None:
+    for key, slot in flat.slots.items():
+        if key in metadata.values:
+            value = metadata.values[key]
+        elif key in metadata.objects:
+            if not planner.allow_pickle:
+                raise CheckpointError(
+                    f"key {key!r} was saved with pickle; loading it would run code from the "
+                    "checkpoint. Only if you trust it: planner=DefaultLoadPlanner(allow_pickle=True)"
+                )
+            value = _load_object(reader, key, metadata)
+        elif key in metadata.tensors:
+            raise TypeError(
+                f"key {key!r} is a non-tensor value in the state dict but a tensor in the "
+                "checkpoint; put a tensor of the right shape there to load it"
+            )
+        else:
+            continue  # missing: reported by the planner
+        if isinstance(slot.container, tuple):
+            raise TypeError(f"key {key!r} sits in a tuple, which cannot be updated in place")
+        slot.container[slot.index] = value
+
+
+def load(
+    state_dict: dict,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_reader: StorageReader | None = None,
+    planner: LoadPlanner | None = None,
+    process_group: Any = None,
+    strict: bool = True,
+) -> None:
+    """Load a checkpoint in place into ``state_dict``, resharding to its layout.
+
+    Tensors (plain, ShardedTensor and DTensor local shards) are filled with ``copy_``;
+    each rank reads only the saved bytes overlapping its own boxes, and verifies their
+    checksums. JSON values are replaced in the caller's containers and Stateful objects
+    get ``load_state_dict``. Any saved layout loads into any layout on any world size.
+    Load needs no collectives, so ``process_group`` is accepted for symmetry only.
+
+    Args:
+        state_dict: the state to fill, allocated by the caller.
+        checkpoint_id: a directory path or fsspec URL.
+        storage_reader: a custom StorageReader instead of ``FileSystemReader(checkpoint_id)``.
+        planner: defaults to :class:`DefaultLoadPlanner`.
+        strict: raise on missing or unexpected keys (else skip them with a warning).
+
+    Raises:
+        CorruptCheckpointError: checksum mismatch, truncated or missing file, unknown version.
+    """
+    del process_group
+    reader = resolve_reader(checkpoint_id, storage_reader)
+    planner = planner if planner is not None else DefaultLoadPlanner()
+    if not isinstance(planner, LoadPlanner):
+        raise TypeError(f"planner must be a LoadPlanner, got {type(planner).__name__}")
+    metadata = _metadata(reader)
+    flat = flatten(state_dict, for_save=False)
+    planner.set_up_planner(flat, metadata, strict=bool(strict))
+    plan = planner.create_local_plan()
+    why = {}
+    for item in plan.items:
+        why.setdefault(item.chunk.file, _chunk_label(item.key, item.chunk))
+    wanted_objects = [k for k in flat.slots if k in metadata.objects]
+    for key in wanted_objects:
+        why.setdefault(metadata.objects[key].file, f"key {key!r}")
+    _check_files(reader, metadata, set(why), why)
+    items = sorted(plan.items, key=lambda i: (i.chunk.file, i.chunk.offset))
+    dtypes = {i.key: metadata.tensors[i.key].dtype for i in items}
+    if reader.thread_count > 1 and len(items) > 1:
+        with ThreadPoolExecutor(reader.thread_count) as pool:
+            for fut in [pool.submit(_read_item, reader, planner, i, dtypes[i.key]) for i in items]:
+                fut.result()
+    else:
+        for item in items:
+            _read_item(reader, planner, item, dtypes[item.key])
+    _apply_values(reader, flat, metadata, planner)
+    for obj, inner in reversed(flat.statefuls):
+        obj.load_state_dict(inner)

@@ -1,0 +1,297 @@
+"""save(): plan, write every rank's files in parallel, agree, commit the metadata last."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import uuid
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from ..spmd.layout import Box
+from ._comm import Comm
+from ._flatten import Flat, flatten
+from ._format import (
+    METADATA_FILE,
+    ChunkMeta,
+    Metadata,
+    ObjectMeta,
+    TensorMeta,
+    block_rows_for,
+    checksum_blocks,
+    decode_value,
+    dtype_from_name,
+    dtype_name,
+    encode_value,
+    row_bytes,
+    safetensors_header,
+)
+from ._planner import DefaultSavePlanner, SavePlan, SavePlanner, WriteItem
+from ._storage import FileSystemWriter, StorageWriter
+
+__all__ = ["save"]
+
+_OWN_PREFIXES = ("data-", "objects-", f"{METADATA_FILE}.tmp-")
+
+
+@dataclass
+class SaveJob:
+    """One rank's share of a save after planning: what it writes and where."""
+
+    save_id: str
+    rank: int
+    world_size: int
+    flat: Flat
+    planner: SavePlanner
+    files: list[tuple[str, list[WriteItem]]] = field(default_factory=list)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_writer(checkpoint_id: Any, storage_writer: StorageWriter | None) -> StorageWriter:
+    if storage_writer is not None:
+        if not isinstance(storage_writer, StorageWriter):
+            raise TypeError(
+                f"storage_writer {storage_writer!r} does not implement StorageWriter "
+                "(thread_count, write_file, commit, list_files, remove_files)"
+            )
+        return storage_writer
+    if checkpoint_id is None:
+        raise ValueError("pass checkpoint_id (a path or fsspec URL) or a storage_writer")
+    return FileSystemWriter(checkpoint_id)
+
+
+def bytes_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _refuse_pickle(flat: Flat, planner: SavePlanner) -> None:
+    if flat.objects and not planner.allow_pickle:
+        key, value = next(iter(flat.objects.items()))
+        raise TypeError(
+            f"key {key!r}: a {type(value).__name__} is neither a tensor nor a JSON value, so "
+            "saving it needs pickle (and loading it would run code). Convert it to tensors/JSON, "
+            "or opt in with planner=DefaultSavePlanner(allow_pickle=True)"
+        )
+
+
+def _assign_files(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
+    bins: list[list[WriteItem]] = [[] for _ in range(count)]
+    load = [0] * count
+    for item in sorted(items, key=lambda i: -i.nbytes):
+        k = min(range(count), key=lambda b: (load[b], b))
+        bins[k].append(item)
+        load[k] += item.nbytes
+    return [b for b in bins if b]
+
+
+def prepare(state_dict: dict, planner: SavePlanner, comm: Comm, thread_count: int) -> SaveJob:
+    """Flatten, plan locally, exchange plans and plan globally (collective)."""
+    error, payload, flat = None, None, None
+    try:
+        flat = flatten(state_dict, for_save=True)
+        _refuse_pickle(flat, planner)
+        planner.set_up_planner(flat, rank=comm.rank, world_size=comm.world_size)
+        payload = {"plan": planner.create_local_plan().to_json()}
+        if comm.rank == 0:
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+            payload["save_id"] = f"{stamp}-{uuid.uuid4().hex[:12]}"
+    except Exception as exc:
+        error = exc
+    replies = comm.agree(error, "planning the save", payload)
+    plans = [SavePlan.from_json(r["plan"]) for r in replies]
+    save_id = replies[0]["save_id"]
+    mine = planner.create_global_plan(plans)[comm.rank]
+    job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner)
+    for k, items in enumerate(_assign_files(mine.items, thread_count)):
+        job.files.append((f"data-{save_id}-{comm.rank:05d}-{k:03d}.safetensors", items))
+    return job
+
+
+def _tensor_name(item: WriteItem) -> str:
+    return f"{item.key}@{','.join(map(str, item.box.offsets))}"
+
+
+def _write_file(
+    writer: StorageWriter, name: str, items: list[WriteItem], data: Callable
+) -> tuple[list[dict], int]:
+    tensors = [data(item) for item in items]
+    header = safetensors_header([(_tensor_name(i), i.dtype, i.box.sizes, i.nbytes) for i in items])
+    parts, records, pos = [memoryview(header)], [], len(header)
+    for item, t in zip(items, tensors):
+        view = bytes_view(t)
+        assert len(view) == item.nbytes, (item, len(view))
+        rows = block_rows_for(item.box.sizes, item.dtype.itemsize)
+        records.append(
+            {
+                "key": item.key,
+                "dtype": dtype_name(item.dtype, item.key),
+                "shape": list(item.shape),
+                "offsets": list(item.box.offsets),
+                "sizes": list(item.box.sizes),
+                "file": name,
+                "name": _tensor_name(item),
+                "offset": pos,
+                "nbytes": item.nbytes,
+                "block_rows": rows,
+                "xxh3_64": checksum_blocks(
+                    view, rows * row_bytes(item.box.sizes, item.dtype.itemsize)
+                ),
+            }
+        )
+        parts.append(view)
+        pos += item.nbytes
+    writer.write_file(name, parts)
+    return records, pos
+
+
+def live_data(planner: SavePlanner) -> Callable[[WriteItem], torch.Tensor]:
+    """Item -> contiguous CPU tensor read straight from the caller's state."""
+
+    def get(item: WriteItem) -> torch.Tensor:
+        return planner.resolve_data(item).detach().to("cpu").contiguous()
+
+    return get
+
+
+def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Callable) -> Metadata:
+    """Write this rank's files, agree that every rank succeeded, commit (collective)."""
+    error, payload = None, None
+    try:
+        records, sizes = [], {}
+        with ThreadPoolExecutor(max(1, min(len(job.files), writer.thread_count))) as pool:
+            futures = [pool.submit(_write_file, writer, n, i, data) for n, i in job.files]
+            for (name, _), fut in zip(job.files, futures):
+                recs, size = fut.result()
+                records += recs
+                sizes[name] = size
+        payload = {"chunks": records, "files": sizes}
+        if job.is_coordinator:
+            payload["values"] = {k: encode_value(v) for k, v in job.flat.values.items()}
+            payload["objects"] = _write_objects(job, writer, sizes)
+    except Exception as exc:
+        error = exc
+    replies = comm.agree(error, "writing the checkpoint", payload)
+    metadata = _build_metadata(job, replies)
+    error = None
+    if job.is_coordinator:
+        try:
+            writer.commit(metadata.to_json())
+        except Exception as exc:
+            error = exc
+    comm.agree(error, "committing the checkpoint metadata")
+    if job.is_coordinator:
+        _remove_superseded(writer, metadata)
+    return metadata
+
+
+def _write_objects(job: SaveJob, writer: StorageWriter, sizes: dict[str, int]) -> dict:
+    if not job.flat.objects:
+        return {}
+    name, parts, out, pos = f"objects-{job.save_id}.bin", [], {}, 0
+    for key, value in job.flat.objects.items():
+        blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        out[key] = {"offset": pos, "nbytes": len(blob), "xxh3_64": xxhash.xxh3_64_hexdigest(blob)}
+        parts.append(memoryview(blob))
+        pos += len(blob)
+    writer.write_file(name, parts)
+    sizes[name] = pos
+    return {k: {"file": name, **v} for k, v in out.items()}
+
+
+def _build_metadata(job: SaveJob, replies: list[dict]) -> Metadata:
+    coord = replies[0]
+    md = Metadata(
+        save_id=job.save_id,
+        world_size=job.world_size,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+    chunks: dict[str, list[ChunkMeta]] = {}
+    shapes: dict[str, tuple] = {}
+    for reply in replies:
+        md.files.update(reply["files"])
+        for c in reply["chunks"]:
+            shapes[c["key"]] = (dtype_from_name(c["dtype"], c["key"]), tuple(c["shape"]))
+            chunks.setdefault(c["key"], []).append(
+                ChunkMeta(
+                    box=_box(c),
+                    file=c["file"],
+                    name=c["name"],
+                    offset=c["offset"],
+                    nbytes=c["nbytes"],
+                    block_rows=c["block_rows"],
+                    checksums=tuple(c["xxh3_64"]),
+                )
+            )
+    for key in sorted(chunks):
+        dtype, shape = shapes[key]
+        ordered = sorted(chunks[key], key=lambda c: c.box.offsets)
+        md.tensors[key] = TensorMeta(dtype, shape, tuple(ordered))
+    md.values = {k: decode_value(v) for k, v in coord.get("values", {}).items()}
+    md.objects = {
+        k: ObjectMeta(o["file"], o["offset"], o["nbytes"], o["xxh3_64"])
+        for k, o in coord.get("objects", {}).items()
+    }
+    return md
+
+
+def _box(c: dict) -> Box:
+    return Box(tuple(c["offsets"]), tuple(c["sizes"]))
+
+
+def _remove_superseded(writer: StorageWriter, metadata: Metadata) -> None:
+    try:
+        stale = [
+            n
+            for n in writer.list_files()
+            if n.startswith(_OWN_PREFIXES) and n not in metadata.files
+        ]
+        writer.remove_files(stale)
+    except Exception as exc:  # the new checkpoint is committed; leftovers are harmless
+        warnings.warn(f"could not remove files of superseded saves: {exc}", stacklevel=3)
+
+
+def save(
+    state_dict: dict,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: Any = None,
+) -> Metadata:
+    """Save a (sharded) state dict; every rank of ``process_group`` must call it.
+
+    Each rank writes its own safetensors files in parallel; replicated data is written
+    once, spread evenly over the ranks. After every rank has succeeded, rank 0 writes the
+    JSON metadata as the atomic commit, then deletes files of the checkpoint it replaced.
+    An error on any rank makes every rank raise, and nothing is committed.
+
+    Args:
+        state_dict: nested dicts/lists of tensors (plain = replicated, ShardedTensor,
+            DTensor), Stateful objects and JSON values.
+        checkpoint_id: a directory path or fsspec URL.
+        storage_writer: a custom StorageWriter instead of ``FileSystemWriter(checkpoint_id)``.
+        planner: defaults to :class:`DefaultSavePlanner`.
+        process_group: the ranks saving together (default: the world; none needed
+            in a single process).
+
+    Returns:
+        The committed :class:`Metadata` (the same on every rank).
+    """
+    writer = resolve_writer(checkpoint_id, storage_writer)
+    planner = planner if planner is not None else DefaultSavePlanner()
+    if not isinstance(planner, SavePlanner):
+        raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
+    comm = Comm(process_group)
+    job = prepare(state_dict, planner, comm, writer.thread_count)
+    return write_and_commit(job, writer, comm, live_data(planner))

@@ -1,0 +1,215 @@
+"""Storage: a checkpoint is a flat directory of files on any fsspec filesystem.
+
+Storage layers move bytes only; the format, checksums and commit protocol live above
+them, so a user-written store gets integrity checks for free.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ._format import METADATA_FILE
+
+__all__ = ["StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader"]
+
+
+@runtime_checkable
+class StorageWriter(Protocol):
+    """Where a save writes. ``write_file`` runs on every rank (from ``thread_count`` threads
+    at once); ``commit``, ``list_files`` and ``remove_files`` run on the coordinator only."""
+
+    thread_count: int
+
+    def write_file(self, name: str, parts: Sequence[memoryview]) -> None:
+        """Create file ``name`` holding ``parts`` back to back; durable when it returns."""
+
+    def commit(self, metadata: bytes) -> None:
+        """Publish the metadata file atomically: readers see all of it or none of it."""
+
+    def list_files(self) -> list[str]:
+        """Names of the files in the checkpoint directory (empty when it does not exist)."""
+
+    def remove_files(self, names: Sequence[str]) -> None:
+        """Delete files of superseded or interrupted saves."""
+
+
+@runtime_checkable
+class StorageReader(Protocol):
+    """Where a load reads; ``read_into`` is called from ``thread_count`` threads at once."""
+
+    thread_count: int
+
+    def read_metadata(self) -> bytes:
+        """The metadata file's bytes; FileNotFoundError when there is none."""
+
+    def file_size(self, name: str) -> int:
+        """Size of file ``name`` in bytes; FileNotFoundError when it is missing."""
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``name`` from ``offset``; EOFError if it ends early."""
+
+
+def _check_threads(thread_count: int) -> int:
+    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+        raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
+    return thread_count
+
+
+class _FileSystem:
+    def __init__(self, path: str | os.PathLike) -> None:
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise TypeError(f"checkpoint path must be a non-empty str or PathLike, got {path!r}")
+        self.url = os.fspath(path)
+        self.fs, root = fsspec.core.url_to_fs(self.url)
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.root = os.path.abspath(root) if self.local else root.rstrip("/")
+
+    def join(self, name: str) -> str:
+        return os.path.join(self.root, name) if self.local else f"{self.root}/{name}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+class FileSystemWriter(_FileSystem):
+    """Writes a checkpoint directory through fsspec (local paths, ``memory://``, ``s3://``...).
+
+    Args:
+        path: the checkpoint directory or URL.
+        thread_count: files each rank writes in parallel.
+        sync_files: fsync every file and the directory before the commit (local paths).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True
+    ) -> None:
+        super().__init__(path)
+        self.thread_count = _check_threads(thread_count)
+        self.sync_files = bool(sync_files)
+        self._made = False
+
+    def _makedirs(self) -> None:
+        if not self._made:
+            if self.local:
+                os.makedirs(self.root, exist_ok=True)
+            else:
+                self.fs.makedirs(self.root, exist_ok=True)
+            self._made = True
+
+    def write_file(self, name: str, parts: Sequence[memoryview]) -> None:
+        self._makedirs()
+        if not self.local:
+            with self.fs.open(self.join(name), "wb") as f:
+                for part in parts:
+                    f.write(part)
+            return
+        fd = os.open(self.join(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
+            if self.sync_files:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def commit(self, metadata: bytes) -> None:
+        self._makedirs()
+        final = self.join(METADATA_FILE)
+        if not self.local:  # a single PUT is atomic on object stores
+            self.fs.pipe_file(final, metadata)
+            return
+        tmp = self.join(f"{METADATA_FILE}.tmp-{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(metadata)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.sync_files:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if self.sync_files:  # the data files' directory entries are durable before the commit
+            _fsync_dir(self.root)
+        os.replace(tmp, final)
+        if self.sync_files:
+            _fsync_dir(self.root)
+
+    def list_files(self) -> list[str]:
+        if self.local:
+            return sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []
+        try:
+            return sorted(
+                p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)
+            )
+        except FileNotFoundError:
+            return []
+
+    def remove_files(self, names: Sequence[str]) -> None:
+        for name in names:
+            try:
+                if self.local:
+                    os.remove(self.join(name))
+                else:
+                    self.fs.rm_file(self.join(name))
+            except FileNotFoundError:
+                pass
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileSystemReader(_FileSystem):
+    """Reads a checkpoint directory through fsspec; remote stores get byte-range requests.
+
+    Args:
+        path: the checkpoint directory or URL.
+        thread_count: chunks each rank reads in parallel.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1) -> None:
+        super().__init__(path)
+        self.thread_count = _check_threads(thread_count)
+
+    def read_metadata(self) -> bytes:
+        if self.local:
+            with open(self.join(METADATA_FILE), "rb") as f:
+                return f.read()
+        return self.fs.cat_file(self.join(METADATA_FILE))
+
+    def file_size(self, name: str) -> int:
+        if self.local:
+            return os.stat(self.join(name)).st_size
+        return int(self.fs.size(self.join(name)))
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        out = memoryview(out).cast("B")
+        if not self.local:
+            data = self.fs.cat_file(self.join(name), start=offset, end=offset + len(out))
+            if len(data) != len(out):
+                raise EOFError(f"{name}: {len(data)} of {len(out)} bytes at offset {offset}")
+            out[:] = data
+            return
+        fd = os.open(self.join(name), os.O_RDONLY)
+        try:
+            pos, done = offset, 0
+            while done < len(out):
+                n = os.preadv(fd, [out[done:]], pos)
+                if n == 0:
+                    raise EOFError(f"{name}: file ends at byte {pos}, {len(out) - done} short")
+                done += n
+                pos += n
+        finally:
+            os.close(fd)
