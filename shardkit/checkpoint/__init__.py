@@ -10,6 +10,7 @@ from ._errors import CheckpointError, CorruptCheckpointError
 from ._flatten import Stateful
 from ._format import ChunkMeta, Metadata, ObjectMeta, TensorMeta
 from ._load import is_committed, load, read_metadata
+from ._manager import CheckpointManager
 from ._planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
@@ -22,10 +23,19 @@ from ._planner import (
     SPMDSavePlanner,
     WriteItem,
 )
+from ._prime import prime_optimizer
+from ._retention import AnyPreservationPolicy, BestN, EveryNSteps, LatestN, PreservationPolicy
 from ._save import save
 from ._storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 
 __all__ = [
+    "AnyPreservationPolicy",
+    "BestN",
+    "CheckpointManager",
+    "EveryNSteps",
+    "LatestN",
+    "PreservationPolicy",
+    "prime_optimizer",
     "CheckpointError",
     "ChunkMeta",
     "CorruptCheckpointError",

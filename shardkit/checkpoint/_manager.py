@@ -71,8 +71,10 @@ class CheckpointManager:
             ...); a step is kept when it or ``max_to_keep`` keeps it. The newest
             committed step is never deleted.
         storage_options: fsspec options for ``path`` (credentials, ``endpoint_url``...).
-        async_process_group: group for the background commit of ``save_async``; default:
-            one more private gloo group. Never pass the training group.
+        async_process_group: names the ranks of the background commit of ``save_async``
+            (must be the same ranks as ``process_group``); the commit itself always runs
+            on the checkpoint core's private gloo group for those ranks, never on the
+            training group.
     """
 
     def __init__(
@@ -138,7 +140,7 @@ class CheckpointManager:
                     "initialized; call shardkit.runtime.init() first or pass None"
                 )
             self._ranks, self._rank = [0], 0
-            self._ctrl = self._async_group = None
+            self._ctrl = self._async_group = self._group = None
             self._is_coordinator = True
             return
         group = process_group if process_group is not None else dist.group.WORLD
@@ -147,15 +149,19 @@ class CheckpointManager:
         if self._rank < 0:
             raise ValueError(f"this rank ({dist.get_rank()}) is not in process_group")
         self._is_coordinator = self._rank == 0
-        # Private CPU groups: control traffic (agreement, listings) and background saves.
+        self._group = group
+        # Private CPU group for control traffic (agreement, listings, blocking saves).
         self._ctrl = dist.new_group(self._ranks, backend="gloo", use_local_synchronization=True)
-        if async_process_group is None:
-            async_process_group = dist.new_group(
-                self._ranks, backend="gloo", use_local_synchronization=True
-            )
-        elif async_process_group is group:
-            raise ValueError("async_process_group must not be the training process_group")
-        self._async_group = async_process_group
+        if async_process_group is not None:
+            async_ranks = dist.get_process_group_ranks(async_process_group)
+            if async_ranks != self._ranks:
+                raise ValueError(
+                    f"async_process_group has ranks {async_ranks} but process_group has "
+                    f"{self._ranks}; they must be the same ranks"
+                )
+        # Only its ranks matter: the core's async_save commits over its own private gloo
+        # group for them, never over the group it is handed.
+        self._async_group = async_process_group if async_process_group is not None else group
 
     def _broadcast(self, value):
         if self._ctrl is None or len(self._ranks) == 1:

@@ -11,18 +11,40 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from ._errors import CheckpointError
+from ._format import Metadata
 from ._storage import FileSystemReader, FileSystemWriter
 
 if TYPE_CHECKING:
     from ._manager import CheckpointManager
 
-__all__ = ["load_step", "save_step", "save_step_async"]
+__all__ = ["is_committed_step", "load_step", "save_step", "save_step_async"]
 
 
 def _bind(io, mgr: CheckpointManager):
-    if mgr._store.storage_options:
-        io.fs = mgr._store.fs
+    return bind_fs(io, mgr._store)
+
+
+def bind_fs(io, store):
+    """Point a core reader/writer at ``store``'s configured filesystem object."""
+    if store.storage_options:
+        io.fs = store.fs
     return io
+
+
+def is_committed_step(store, step: int) -> bool:
+    """The core's ``is_committed`` for one step: metadata parses, every file has its size."""
+    url = store.step_url(step)
+    if not store.storage_options:
+        from ._load import is_committed
+
+        return is_committed(url)
+    reader = bind_fs(FileSystemReader(url), store)
+    try:
+        metadata = Metadata.from_json(reader.read_metadata(), f"{url}/metadata")
+        return all(reader.file_size(n) == size for n, size in metadata.files.items())
+    except (CheckpointError, FileNotFoundError):
+        return False
 
 
 def _writer(mgr: CheckpointManager, step: int) -> FileSystemWriter:
@@ -49,6 +71,6 @@ def save_step_async(mgr: CheckpointManager, step: int, state_dict: dict) -> Futu
 
 def load_step(mgr: CheckpointManager, step: int, state_dict: dict) -> None:
     """In-place, resharding load of committed ``step``."""
-    from . import load
+    from ._load import load
 
     load(state_dict, storage_reader=_reader(mgr, step), process_group=mgr._ctrl)

@@ -58,19 +58,29 @@ class StepStore:
                 steps.append(int(match.group(1)))
         return sorted(steps)
 
-    def is_committed(self, step: int) -> bool:
+    def has_marker(self, step: int) -> bool:
         """Whether the step's metadata file (written last, as the commit) exists."""
         return self.fs.exists(f"{self._step_path(step)}/{METADATA_FILE}")
+
+    def is_committed(self, step: int) -> bool:
+        """The core's check: committed metadata whose files all exist with their sizes."""
+        from ._manager_io import is_committed_step
+
+        return is_committed_step(self, step)
 
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending; incomplete directories are never listed."""
         return [s for s in self.list_step_dirs() if self.is_committed(s)]
 
     def remove_incomplete(self) -> list[int]:
-        """Delete step directories that never committed (left by a crash); returns them."""
+        """Delete step directories that never committed (left by a crash); returns them.
+
+        Only directories without a commit marker go: a committed but damaged step is
+        kept for inspection (it is not listed, so it is never restored).
+        """
         removed = []
         for step in self.list_step_dirs():
-            if not self.is_committed(step):
+            if not self.has_marker(step):
                 self._rm_tree(self._step_path(step))
                 removed.append(step)
         return removed

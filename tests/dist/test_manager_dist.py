@@ -1,0 +1,118 @@
+"""CheckpointManager on 2 real ranks: listings, cleanup, resume equivalence, preemption."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from harness import run_ranks
+
+STEPS, INTERRUPT_AT = 12, 7
+
+
+def _data(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 6, generator=g)
+    return x, (x.sum(1, keepdim=True) > 0).float()
+
+
+def _build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+
+
+def _train_step(model, optim, step):
+    import torch.distributed as dist
+
+    x, y = _data(step, dist.get_rank())
+    optim.zero_grad()
+    torch.nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+    for p in model.parameters():  # data parallel by hand: average gradients
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    optim.step()
+
+
+def _run(root, start, stop, mgr_kwargs, restore):
+    from shardkit.checkpoint import CheckpointManager, prime_optimizer
+
+    model, optim = _build()
+    mgr = CheckpointManager(root, **mgr_kwargs)
+    if restore:
+        prime_optimizer(optim)
+        state = {"model": model.state_dict(), "optim": optim.state_dict()}
+        mgr.restore(mgr.latest_step(), state)
+        start = mgr.latest_step() + 1
+    for step in range(start, stop):
+        _train_step(model, optim, step)
+        state = {"model": model.state_dict(), "optim": optim.state_dict()}
+        mgr.save_async(step, state)
+    mgr.close()
+    return model, mgr
+
+
+def _body(tmp):
+    import torch.distributed as dist
+
+    from shardkit.checkpoint import CheckpointManager
+
+    rank = dist.get_rank()
+    out = {}
+    # 1. Resume equivalence: interrupted at INTERRUPT_AT, resumed, equals uninterrupted.
+    ref, _ = _run(f"{tmp}/ref", 0, STEPS, {"save_interval": 100}, restore=False)
+    kw = {"save_interval": 3, "max_to_keep": 2}
+    _run(f"{tmp}/run", 0, INTERRUPT_AT + 1, kw, restore=False)  # saves 0, 3, 6
+    # a crashed save of step 7 left an incomplete directory behind
+    if rank == 0:
+        os.makedirs(f"{tmp}/run/step_00000007")
+        open(f"{tmp}/run/step_00000007/data-x.safetensors", "wb").close()
+    dist.barrier()
+    model, mgr = _run(f"{tmp}/run", None, STEPS, kw, restore=True)
+    out["equal"] = all(
+        torch.equal(a, b) for a, b in zip(ref.state_dict().values(), model.state_dict().values())
+    )
+    out["incomplete_removed"] = not os.path.exists(f"{tmp}/run/step_00000007")
+    mgr2 = CheckpointManager(f"{tmp}/run", save_interval=3, chkpt_on_preemption=False)
+    out["steps"] = mgr2.all_steps()
+    mgr2.close()
+
+    # 2. Preemption: rank 0 sends a real SIGTERM to rank 1 at step 7 (off-interval).
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    mgr = CheckpointManager(f"{tmp}/pre", save_interval=5, max_to_keep=0)
+    state = {"w": torch.zeros(4)}
+    saved, reached = [], None
+    for step in range(20):
+        state["w"].fill_(step)
+        if step == 7 and rank == 0:
+            os.kill(pids[1], signal.SIGTERM)
+        dist.barrier()
+        if mgr.save_async(step, state):
+            saved.append(step)
+        if mgr.reached_preemption(step):
+            reached = step
+            break
+    mgr.join()
+    out["pre_saved"], out["pre_reached"] = saved, reached
+    out["pre_steps"] = mgr.all_steps()
+    restored = {"w": torch.empty(4)}
+    mgr.restore(7, restored)
+    out["pre_w"] = restored["w"].tolist()
+    mgr.close()
+    out["handler_restored"] = signal.getsignal(signal.SIGTERM) is not None
+    return out
+
+
+def test_manager_on_two_ranks(tmp_path):
+    res = run_ranks(_body, 2, str(tmp_path), timeout=120)
+    for r in res:
+        assert r["equal"], "resumed run differs from the uninterrupted run"
+        assert r["incomplete_removed"]
+        assert r["steps"] == [6, 9]  # max_to_keep=2 over saves 0, 3, 6 | resumed 9
+        assert r["pre_saved"] == [0, 5, 7]
+        assert r["pre_reached"] == 7
+        assert r["pre_steps"] == [0, 5, 7]
+        assert r["pre_w"] == [7.0] * 4
+    assert res[0]["steps"] == res[1]["steps"]

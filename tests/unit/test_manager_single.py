@@ -1,0 +1,198 @@
+"""CheckpointManager in one process (no process group): local disk, memory://, loopback S3."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from s3_server import LoopbackS3
+
+from shardkit.checkpoint import (
+    BestN,
+    CheckpointError,
+    CheckpointManager,
+    EveryNSteps,
+)
+
+
+def _state(step):
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(3, 4, generator=g), "n": torch.tensor([step]), "meta": {"s": step}}
+
+
+def _empty():
+    return {"w": torch.empty(3, 4), "n": torch.empty(1, dtype=torch.int64), "meta": {"s": -1}}
+
+
+def _check_restores(mgr, step):
+    got = mgr.restore(step, _empty())
+    want = _state(step)
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["n"], want["n"])
+    assert got["meta"] == want["meta"]
+
+
+def _exercise(url, storage_options=None):
+    """Sync + async saves, interval, retention, restore and a restart, on one URL."""
+    kw = {"storage_options": storage_options, "chkpt_on_preemption": False}
+    mgr = CheckpointManager(url, 2, max_to_keep=2, **kw)
+    assert mgr.all_steps() == [] and mgr.latest_step() is None
+    assert [s for s in range(7) if mgr.should_save(s)] == [0, 2, 4, 6]
+    saved = []
+    for step in range(7):
+        save = mgr.save if step % 4 else mgr.save_async
+        if save(step, _state(step)):
+            saved.append(step)
+    assert saved == [0, 2, 4, 6]
+    mgr.join()
+    assert mgr.all_steps() == [4, 6]
+    assert mgr.save(7, _state(7), force=True)
+    mgr.join()
+    assert mgr.all_steps() == [6, 7] and mgr.latest_step() == 7
+    assert not mgr.should_save(6)
+    with pytest.raises(ValueError, match="not newer"):
+        mgr.save(7, _state(7), force=True)
+    _check_restores(mgr, 6)
+    _check_restores(mgr, 7)
+    with pytest.raises(ValueError, match=r"step 2 has no committed checkpoint.*\[6, 7\]"):
+        mgr.restore(2, _empty())
+    mgr.close()
+    # a restart sees the same steps and keeps the interval going
+    with CheckpointManager(url, 2, max_to_keep=2, **kw) as mgr:
+        assert mgr.all_steps() == [6, 7]
+        assert mgr.save(8, _state(8))
+        mgr.join()
+        assert mgr.all_steps() == [7, 8]
+        _check_restores(mgr, 8)
+
+
+def test_local_disk_round_trip(tmp_path):
+    _exercise(str(tmp_path / "run"))
+
+
+def test_memory_round_trip():
+    _exercise("memory://manager-test/run")
+
+
+def test_s3_round_trip():
+    with LoopbackS3() as s3:
+        s3.make_bucket("ckpt")
+        _exercise("s3://ckpt/run", s3.storage_options)
+        fs = s3.filesystem()
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt/run")) == [
+            "step_00000007",
+            "step_00000008",
+        ]
+        assert fs.exists("ckpt/run/step_00000008/metadata.json")
+
+
+def test_policies_keep_every_k_and_best_n(tmp_path):
+    url = str(tmp_path / "run")
+    losses = {1: 0.9, 2: 0.3, 3: 0.8, 4: 0.5, 5: 0.7, 6: 0.95, 7: 0.6}
+    with CheckpointManager(
+        url,
+        1,
+        max_to_keep=1,
+        preservation_policy=EveryNSteps(3),
+        chkpt_on_preemption=False,
+    ) as mgr:
+        for step in range(1, 8):
+            mgr.save_async(step, _state(step))
+        mgr.join()
+        assert mgr.all_steps() == [3, 6, 7]
+    url = str(tmp_path / "best")
+    policy = BestN("loss", 2, mode="min")
+    with CheckpointManager(url, 1, preservation_policy=policy, chkpt_on_preemption=False) as mgr:
+        for step, loss in losses.items():
+            mgr.save(step, _state(step), metrics={"loss": loss})
+        mgr.join()
+        assert mgr.all_steps() == [2, 4, 7]  # the best two, and the newest
+    # after a restart the metrics come from storage
+    with CheckpointManager(url, 1, preservation_policy=policy, chkpt_on_preemption=False) as mgr:
+        mgr.save(8, _state(8), metrics={"loss": 0.1})
+        mgr.join()
+        assert mgr.all_steps() == [2, 8]
+
+
+def test_failed_background_save_names_the_step(tmp_path, monkeypatch):
+    from shardkit.checkpoint import _manager_io
+
+    real = _manager_io._writer
+
+    def broken(mgr, step):
+        writer = real(mgr, step)
+        if step in (2, 4):
+
+            def fail(name, parts):
+                raise OSError("disk full")
+
+            writer.write_file = fail
+        return writer
+
+    monkeypatch.setattr(_manager_io, "_writer", broken)
+    mgr = CheckpointManager(str(tmp_path / "run"), 1, chkpt_on_preemption=False)
+    assert mgr.save_async(1, _state(1))
+    assert mgr.save_async(2, _state(2))
+    with pytest.raises(CheckpointError, match="step 2.*disk full"):
+        mgr.join()  # raised by join ...
+    assert mgr.all_steps() == [1]
+    assert mgr.save_async(3, _state(3))
+    assert mgr.save_async(4, _state(4))
+    with pytest.raises(CheckpointError, match="background save of step 4"):
+        mgr.save_async(5, _state(5))  # ... or by the next call
+    mgr.join()  # each failure is raised once
+    assert mgr.save_async(5, _state(5))
+    mgr.close()
+    assert mgr.all_steps() == [1, 3, 5]
+
+
+def test_preemption_signal_forces_one_off_interval_save(tmp_path):
+    with CheckpointManager(str(tmp_path / "run"), 10, preemption_signal=signal.SIGUSR1) as mgr:
+        saved = []
+        for step in range(1, 30):
+            if step == 13:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if mgr.save_async(step, _state(step)):
+                saved.append(step)
+            if mgr.reached_preemption(step):
+                break
+        assert saved == [10, 13] and step == 13
+        assert not mgr.reached_preemption(12) and mgr.reached_preemption(14)
+        mgr.join()
+        assert mgr.all_steps() == [10, 13]
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"save_interval": 0}, ValueError, "save_interval"),
+        ({"save_interval": 1.5}, ValueError, "save_interval"),
+        ({"max_to_keep": -1}, ValueError, "max_to_keep"),
+        ({"max_pending_async": 0}, ValueError, "max_pending_async"),
+        ({"chkpt_on_preemption": "yes"}, TypeError, "chkpt_on_preemption"),
+        ({"preservation_policy": 3}, TypeError, "preservation_policy"),
+        ({"storage_options": "x"}, TypeError, "storage_options"),
+        ({"preemption_signal": signal.SIGKILL}, ValueError, "SIGKILL"),
+        ({"process_group": object()}, ValueError, "not initialized"),
+    ],
+)
+def test_argument_validation(tmp_path, kwargs, exc, match):
+    kwargs = {"save_interval": 1, **kwargs}
+    with pytest.raises(exc, match=match):
+        CheckpointManager(str(tmp_path), **kwargs)
+
+
+def test_call_validation(tmp_path):
+    with CheckpointManager(str(tmp_path), 1, chkpt_on_preemption=False) as mgr:
+        with pytest.raises(ValueError, match="step must be >= 0"):
+            mgr.save(-1, {})
+        with pytest.raises(TypeError, match="step must be an int"):
+            mgr.should_save(1.0)
+        with pytest.raises(TypeError, match="state_dict must be a dict"):
+            mgr.save(1, [1])
+        with pytest.raises(TypeError, match="metrics"):
+            mgr.save(1, _state(1), metrics={"loss": object()})
+    with pytest.raises(ValueError, match="closed"):
+        mgr.save(2, _state(2))
