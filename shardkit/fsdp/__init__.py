@@ -1,0 +1,16 @@
+"""Fully sharded data parallel (ZeRO-3 / ZeRO-2) training: ``from shardkit.fsdp import FSDP``.
+
+Parameters, gradients and optimizer state are sharded over the ranks, one dim-0 slice
+per parameter; see docs/fsdp.md for the design and for checkpoints.
+"""
+
+from . import wrap
+from ._checkpoint_module import checkpoint_module
+from ._fsdp import FSDP, FullyShardedDataParallel
+
+__all__ = [
+    "FSDP",
+    "FullyShardedDataParallel",
+    "checkpoint_module",
+    "wrap",
+]

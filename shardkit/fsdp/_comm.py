@@ -1,0 +1,43 @@
+"""The two collectives FSDP issues, with a no-op path for a world of one."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "group_info"]
+
+# torch >= 2.13 renamed the flat collectives; keep working on older releases.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Done:
+    """A finished piece of work (the world-of-one path)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def group_info(group) -> tuple[object | None, int, int]:
+    """(group, rank in it, its size); ``(None, 0, 1)`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1
+    group = group if group is not None else dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_gather_flat(out: torch.Tensor, segment: torch.Tensor, group, world: int):
+    """Every rank's ``segment`` end to end into ``out``; returns a waitable work handle."""
+    if world == 1:
+        out.copy_(segment)
+        return _Done()
+    return _ALL_GATHER(out, segment, group=group, async_op=True)
+
+
+def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group, world: int):
+    """Sum ``full`` (world segments) over ranks; this rank's segment lands in ``out``."""
+    if world == 1:
+        out.copy_(full)
+        return _Done()
+    return _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)

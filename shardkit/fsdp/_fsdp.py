@@ -1,0 +1,424 @@
+"""FullyShardedDataParallel: per-parameter dim-0 sharding with ZeRO-3 / ZeRO-2 units."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ._comm import group_info
+from ._layout import SlotLayout
+from ._options import FSDPOptions
+from ._unit import ManagedParam, UnitState
+from ._wrap import auto_wrap
+
+__all__ = ["FullyShardedDataParallel", "FSDP"]
+
+
+class _AllGather(torch.autograd.Function):
+    """Shards in, full parameters out; its backward is the unit's post-backward."""
+
+    @staticmethod
+    def forward(ctx, unit, *shards):
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)
+        outs = tuple(f.view_as(f) for f in unit._state.fulls())
+        frozen = [o for o, s in zip(outs, shards) if not s.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit._post_backward(grads)
+        return (None,) * (1 + len(grads))
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state over the ranks.
+
+    Each parameter is split along dim 0 like :func:`torch.chunk`; the ``nn.Parameter``
+    objects the optimizer sees are this rank's rows, so any torch optimizer works
+    unchanged and its state is sharded too. A unit (this wrapper, or each nested /
+    auto-wrapped one) all-gathers its parameters before its forward and reduce-scatters
+    its gradients (averaged over ranks) during backward.
+
+    Args:
+        module: the module to shard; its parameters are replaced by their shards.
+        process_group: ranks to shard over (default: the whole world).
+        reshard_after_forward: ``True`` is ZeRO-3 (free full parameters after forward,
+            gather again for backward); ``False`` is ZeRO-2 (keep them until backward).
+            The root unit keeps its own parameters through forward either way.
+        flatten_parameters: accepted for API compatibility; only ``False`` is supported.
+        auto_wrap_policy: ``policy(module, recurse, nonwrapped_numel) -> bool`` deciding
+            which submodules become their own units (see :mod:`shardkit.fsdp.wrap`).
+        auto_wrapper_callable: ``fn(module, **fsdp_kwargs)`` building each auto-wrapped
+            unit, e.g. ``lambda m, **kw: FSDP(checkpoint_module(m), **kw)``.
+        compute_dtype: dtype of gathered parameters and of forward / backward compute
+            (bf16 or fp16 for mixed precision); shards stay in their own dtype.
+        buffer_dtype: dtype buffers are cast to (default: ``compute_dtype``).
+        fp32_reduce_scatter: reduce gradients in fp32 rather than ``compute_dtype``.
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding.
+        forward_prefetch / backward_prefetch: issue the next unit's all-gather early.
+    """
+
+    _shardkit_wrapper = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: Any = None,
+        reshard_after_forward: bool = True,
+        flatten_parameters: bool = False,
+        auto_wrap_policy: Callable | None = None,
+        auto_wrapper_callable: Callable | None = None,
+        compute_dtype: torch.dtype | None = None,
+        buffer_dtype: torch.dtype | None = None,
+        fp32_reduce_scatter: bool = False,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = True,
+        backward_prefetch: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("the module is already FSDP-wrapped; wrap the inner module once")
+        opts = FSDPOptions(
+            process_group=process_group,
+            reshard_after_forward=reshard_after_forward,
+            flatten_parameters=flatten_parameters,
+            auto_wrap_policy=auto_wrap_policy,
+            auto_wrapper_callable=auto_wrapper_callable,
+            compute_dtype=compute_dtype,
+            buffer_dtype=buffer_dtype,
+            fp32_reduce_scatter=fp32_reduce_scatter,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch,
+        )
+        self._opts = opts
+        self._group, self.rank, self.world_size = group_info(process_group)
+        if opts.auto_wrap_policy is not None:
+            wrapper = opts.auto_wrapper_callable or (lambda m, **kw: type(self)(m, **kw))
+            auto_wrap(module, opts.auto_wrap_policy, wrapper, opts.for_child(), type(self))
+        self.module = module
+        self._prepare_buffers()
+        params = self._collect_params()
+        self._state = UnitState(
+            params,
+            group=self._group,
+            rank=self.rank,
+            world=self.world_size,
+            compute_dtype=opts.compute_dtype,
+            fp32_reduce_scatter=opts.fp32_reduce_scatter,
+        )
+        self._has_checkpointed = any(
+            getattr(m, "_shardkit_checkpointed", False) for m in self._own_modules()
+        )
+        self._is_root: bool | None = None
+        self._root: FullyShardedDataParallel = self
+        self._uses = 0  # gathers of this iteration whose backward has not run yet
+        # root-only bookkeeping
+        self._units: list[FullyShardedDataParallel] = []
+        self._order: list[FullyShardedDataParallel] = []
+        self._recording = True
+        self._callback_queued = False
+        self._sync_grads = True
+        self._pending_reduces: deque = deque()
+
+    # -- construction helpers --------------------------------------------------------
+    def _own_modules(self) -> Iterator[nn.Module]:
+        """Modules of this unit: the wrapped tree minus nested FSDP subtrees."""
+        stack, seen = [self.module], set()
+        while stack:
+            mod = stack.pop()
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            yield mod
+            stack.extend(
+                c for c in mod._modules.values() if c is not None and not isinstance(c, FSDP)
+            )
+
+    def _own_named(self) -> Iterator[tuple[str, nn.Module]]:
+        """(prefix, module) pairs of this unit, every path to a shared module included."""
+
+        def visit(mod: nn.Module, prefix: str):
+            yield prefix, mod
+            for name, child in mod._modules.items():
+                if child is not None and not isinstance(child, FSDP):
+                    yield from visit(child, f"{prefix}{name}.")
+
+        yield from visit(self.module, "")
+
+    def _prepare_buffers(self) -> None:
+        dtype = self._opts.buffer_dtype or self._opts.compute_dtype
+        for mod in self._own_modules():
+            for name, buf in mod._buffers.items():
+                if buf is None:
+                    continue
+                if self._opts.sync_module_states and self.world_size > 1:
+                    dist.broadcast(buf, dist.get_global_rank(self._group, 0), group=self._group)
+                if dtype is not None and buf.is_floating_point() and buf.dtype != dtype:
+                    mod._buffers[name] = buf.to(dtype)
+
+    def _collect_params(self) -> list[ManagedParam]:
+        found: dict[int, tuple[nn.Parameter, list, list]] = {}
+        for prefix, mod in self._own_named():
+            for name, p in mod._parameters.items():
+                if p is None:
+                    continue
+                fqn = prefix + name
+                if getattr(p, "_shardkit_fsdp_claimed", False) or getattr(
+                    p, "_shardkit_fsdp_shard", False
+                ):
+                    raise ValueError(
+                        f"parameter {fqn!r} is shared with a nested FSDP unit; put every "
+                        "module that uses a tied parameter in the same unit (leave them "
+                        "unwrapped, or wrap their common parent)"
+                    )
+                entry = found.setdefault(id(p), (p, [], []))
+                if (mod, name) not in [(m, n) for m, n in entry[1] if m is mod]:
+                    entry[1].append((mod, name))
+                entry[2].append(fqn)
+        params = []
+        for p, owners, fqns in found.values():
+            layout = SlotLayout(tuple(p.shape), self.world_size, 0)
+            with torch.no_grad():
+                if self._opts.sync_module_states and self.world_size > 1:
+                    dist.broadcast(p.data, dist.get_global_rank(self._group, 0), group=self._group)
+                local = layout.shard_of(p.detach(), self.rank).clone()
+            shard = nn.Parameter(local, requires_grad=p.requires_grad)
+            shard._shardkit_fsdp_shard = True
+            p._shardkit_fsdp_claimed = True
+            for mod, name in owners:
+                mod._parameters[name] = shard
+            params.append(ManagedParam(shard, owners, fqns, layout))
+        # lay the slots end to end
+        offset = 0
+        for mp in params:
+            mp.layout = SlotLayout(mp.layout.shape, self.world_size, offset)
+            offset += mp.layout.padded_numel
+        return params
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self._modules["module"], name)
+
+    # -- root ------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        if self._is_root is not None:
+            return
+        self._is_root = True
+        self._units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+        for unit in self._units:
+            if unit is not self:
+                if unit._is_root:
+                    raise ValueError(
+                        "a nested FSDP unit already ran forward on its own; run forward "
+                        "through the outermost FSDP module only"
+                    )
+                unit._is_root = False
+                unit._root = self
+        self._state.is_root = True
+
+    def _neighbour(self, unit: FullyShardedDataParallel, step: int):
+        order = self._order
+        try:
+            index = order.index(unit) + step
+        except ValueError:
+            return None
+        return order[index] if 0 <= index < len(order) else None
+
+    # -- forward ---------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        root = self._root
+        if self._is_root:
+            root._recording = not root._order
+            # a new iteration: nothing gathered may outlive an optimizer step
+            for unit in root._units:
+                unit._uses = 0
+                unit._restore_shards()
+                unit._state.free()
+        if root._recording and self not in root._order:
+            root._order.append(self)
+        dtype = self._opts.compute_dtype
+        if dtype is not None:
+            args, kwargs = tree_map(lambda t: _cast(t, dtype), (args, kwargs))
+        track = torch.is_grad_enabled() and any(p.shard.requires_grad for p in self._state.params)
+        self._pre_forward(track)
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            self._restore_shards()
+        hooked = self._hook_outputs(out) if torch.is_grad_enabled() else False
+        if not torch.is_grad_enabled():
+            if not self._is_root:
+                self._state.free()
+        elif self._opts.reshard_after_forward and not self._is_root and hooked:
+            self._state.free()
+        if self._is_root:
+            root._recording = False
+            if not torch.is_grad_enabled():
+                for unit in root._units:
+                    unit._state.free()
+        return out
+
+    def _pre_forward(self, track: bool) -> None:
+        state = self._state
+        state.ensure_gathered()
+        root = self._root
+        if root._opts.forward_prefetch:
+            nxt = root._neighbour(self, 1)
+            if nxt is not None and not nxt._state.materialized:
+                nxt._state.issue_gather()
+        if not state.params:
+            return
+        if track:
+            self._uses += 1
+            fulls = _AllGather.apply(self, *[p.shard for p in state.params])
+        else:
+            fulls = state.fulls()
+        self._install(fulls)
+
+    def _install(self, tensors) -> None:
+        for p, t in zip(self._state.params, tensors):
+            for mod, name in p.owners:
+                mod._parameters[name] = t
+
+    def _restore_shards(self) -> None:
+        self._install([p.shard for p in self._state.params])
+
+    def _hook_outputs(self, out: Any) -> bool:
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        hooked = False
+        for t in tensors:
+            if t.requires_grad:
+                t.register_hook(self._pre_backward_hook)
+                hooked = True
+        return hooked
+
+    # -- backward --------------------------------------------------------------------
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self._pre_backward()
+
+    def _pre_backward(self) -> None:
+        root = self._root
+        if not root._callback_queued:
+            root._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root._finalize_backward)
+        state = self._state
+        if not state.params:
+            return
+        state.ensure_gathered()
+        if self._has_checkpointed:
+            # recomputation reads module attributes: give it tensors that track grad
+            self._install(
+                [p.full.detach().requires_grad_(p.shard.requires_grad) for p in state.params]
+            )
+        if root._opts.backward_prefetch:
+            prev = root._neighbour(self, -1)
+            if prev is not None and prev._uses > 0 and not prev._state.materialized:
+                prev._state.issue_gather()
+
+    def _post_backward(self, grads) -> None:
+        root = self._root
+        state = self._state
+        self._uses = max(self._uses - 1, 0)
+        if state.trainable:
+            if root._sync_grads:
+                pending = state.reduce_grads(grads)
+                if pending is not None:
+                    root._pending_reduces.append(pending)
+                while len(root._pending_reduces) > 1:
+                    root._pending_reduces.popleft().finish()
+            else:
+                state.accumulate(grads)
+        if self._uses == 0:
+            self._restore_shards()
+            state.free()
+
+    def _finalize_backward(self) -> None:
+        """Run once at the end of each backward: land gradients, free every unit."""
+        while self._pending_reduces:
+            self._pending_reduces.popleft().finish()
+        for unit in self._units:
+            if unit._uses == 0 or not torch.is_grad_enabled():
+                unit._restore_shards()
+                unit._state.free()
+        self._callback_queued = False
+
+    # -- public API --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (unsharded) without communication.
+
+        The next backward outside the block reduce-scatters the sum of every
+        micro-batch's gradient, as DDP's ``no_sync`` does. Costs full-size gradient
+        memory for the units that accumulate.
+        """
+        self._lazy_init()
+        if not self._is_root:
+            raise ValueError("call no_sync() on the outermost FSDP module")
+        previous = self._sync_grads
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = previous
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every shard by the global norm over all ranks; return it."""
+        from ._state import clip_grad_norm
+
+        return clip_grad_norm(self, max_norm, norm_type)
+
+    def get_shard_metadata(self) -> dict:
+        """Describe this rank's shards so per-rank checkpoints can be consolidated.
+
+        Only plain containers, ``str`` and ``int``: it loads with ``weights_only=True``.
+        """
+        from ._state import shard_metadata
+
+        return shard_metadata(self)
+
+    def _shardkit_sharded_state_dict(self) -> dict:
+        from ._state import sharded_state_dict
+
+        return sharded_state_dict(self)
+
+    def _shardkit_load_sharded_state_dict(self, state: dict) -> None:
+        from ._state import load_sharded_state_dict
+
+        load_sharded_state_dict(self, state)
+
+    def _shardkit_param_fqns(self) -> dict[int, str]:
+        from ._state import param_fqns
+
+        return param_fqns(self)
+
+    def extra_repr(self) -> str:
+        mode = "ZeRO-3" if self._opts.reshard_after_forward else "ZeRO-2"
+        return f"{mode}, world_size={self.world_size}, params={len(self._state.params)}"
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value
+
+
+FSDP = FullyShardedDataParallel

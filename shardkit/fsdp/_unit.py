@@ -1,0 +1,212 @@
+"""One FSDP unit's parameters: shards, gathered full tensors, gradient reduction.
+
+The optimizer sees ``ManagedParam.shard`` (a plain ``nn.Parameter`` holding this rank's
+rows). For compute, the unit gathers every shard into one persistent full tensor per
+parameter; freeing resizes that tensor's storage to zero and re-gathering resizes it
+back, so tensors autograd saved during forward see the re-gathered values in backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ._comm import all_gather_flat, reduce_scatter_flat
+from ._layout import SlotLayout, UnitLayout
+
+__all__ = ["ManagedParam", "UnitState", "GatherStats", "GATHER_STATS"]
+
+
+@dataclass
+class ManagedParam:
+    """A unique parameter of a unit and every (module, attribute) that refers to it."""
+
+    shard: nn.Parameter
+    owners: list[tuple[nn.Module, str]]
+    fqns: list[str]  # relative to the unit's wrapped module
+    layout: SlotLayout
+    full: torch.Tensor | None = None
+
+
+@dataclass
+class GatherStats:
+    """How many units hold gathered (or in-flight) parameters; for tests and benchmarks."""
+
+    current: set = field(default_factory=set)
+    peak: int = 0
+    peak_non_root: int = 0
+    non_root: set = field(default_factory=set)
+
+    def reset(self) -> None:
+        self.peak = len(self.current)
+        self.peak_non_root = len(self.non_root)
+
+    def add(self, unit: UnitState) -> None:
+        self.current.add(id(unit))
+        if not unit.is_root:
+            self.non_root.add(id(unit))
+        self.peak = max(self.peak, len(self.current))
+        self.peak_non_root = max(self.peak_non_root, len(self.non_root))
+
+    def discard(self, unit: UnitState) -> None:
+        self.current.discard(id(unit))
+        self.non_root.discard(id(unit))
+
+
+GATHER_STATS = GatherStats()
+
+
+class _PendingReduce:
+    """An in-flight gradient reduce-scatter; ``finish`` accumulates into ``.grad``."""
+
+    def __init__(self, unit, work, segment, post_div: float, source: torch.Tensor) -> None:
+        self.unit, self.work, self.segment, self.post_div = unit, work, segment, post_div
+        self._source = source  # the input must outlive the collective
+
+    def finish(self) -> None:
+        self.work.wait()
+        if self.post_div != 1.0:
+            self.segment.div_(self.post_div)
+        views = self.unit.grad_layout.unpack_grads(self.segment, self.unit.rank)
+        for param, view in zip(self.unit.trainable, views):
+            shard = param.shard
+            if shard.grad is None:
+                shard.grad = view.to(shard.dtype, copy=True)
+            else:
+                shard.grad.add_(view.to(shard.dtype))
+
+
+class UnitState:
+    """Gather / free / reduce for the parameters of one unit."""
+
+    def __init__(
+        self,
+        params: Sequence[ManagedParam],
+        *,
+        group,
+        rank: int,
+        world: int,
+        compute_dtype: torch.dtype | None,
+        fp32_reduce_scatter: bool,
+    ) -> None:
+        self.params = list(params)
+        self.group, self.rank, self.world = group, rank, world
+        self.layout = UnitLayout(
+            tuple(p.layout for p in self.params),
+            world,
+            sum(p.layout.padded_numel for p in self.params),
+        )
+        self.trainable = [p for p in self.params if p.shard.requires_grad]
+        self.grad_layout = UnitLayout.build([p.layout.shape for p in self.trainable], world)
+        dtypes = {p.shard.dtype for p in self.params}
+        if compute_dtype is None and len(dtypes) > 1:
+            raise ValueError(
+                f"an FSDP unit holds parameters of several dtypes {sorted(map(str, dtypes))}; "
+                "cast the module to one dtype, or set compute_dtype"
+            )
+        base = next(iter(dtypes)) if dtypes else torch.float32
+        self.compute_dtype = compute_dtype or base
+        self.reduce_dtype = torch.float32 if fp32_reduce_scatter else self.compute_dtype
+        self.device = self.params[0].shard.device if self.params else torch.device("cpu")
+        self.is_root = False
+        self.gathered = False
+        self._pending_gather = None  # (work, out buffer)
+        self.accumulated: list[torch.Tensor | None] | None = None  # no_sync gradients
+
+    # -- gathering -------------------------------------------------------------
+    @property
+    def materialized(self) -> bool:
+        """Whether full parameters are held or on their way."""
+        return self.gathered or self._pending_gather is not None
+
+    def issue_gather(self) -> None:
+        """Start the all-gather of this unit (asynchronously) unless done or in flight."""
+        if self.materialized or not self.params:
+            return
+        seg = self.layout.segment_numel
+        send = torch.empty(seg, dtype=self.compute_dtype, device=self.device)
+        with torch.no_grad():
+            self.layout.pack_shards([p.shard for p in self.params], send, self.rank)
+        out = torch.empty(self.world * seg, dtype=self.compute_dtype, device=self.device)
+        work = all_gather_flat(out, send, self.group, self.world)
+        self._pending_gather = (work, out, send)
+        GATHER_STATS.add(self)
+
+    def ensure_gathered(self) -> None:
+        """Make the full parameters available, waiting for a prefetch if one is in flight."""
+        if self.gathered or not self.params:
+            return
+        self.issue_gather()
+        work, out, _send = self._pending_gather
+        work.wait()
+        gathered = out.view(self.world, self.layout.segment_numel)
+        with torch.no_grad():
+            for p in self.params:
+                if p.full is None:
+                    p.full = torch.empty(
+                        p.layout.shape, dtype=self.compute_dtype, device=self.device
+                    )
+                else:
+                    storage = p.full.untyped_storage()
+                    nbytes = p.full.numel() * p.full.element_size()
+                    if storage.nbytes() != nbytes:
+                        storage.resize_(nbytes)
+                # .data: autograd must not see a version bump on tensors it saved.
+                p.layout.gather_out(gathered, p.full.data)
+        self._pending_gather = None
+        self.gathered = True
+
+    def fulls(self) -> list[torch.Tensor]:
+        self.ensure_gathered()
+        return [p.full for p in self.params]
+
+    def free(self) -> None:
+        """Release the full parameters' memory (their tensors stay, with empty storage)."""
+        if self._pending_gather is not None:
+            self._pending_gather[0].wait()
+            self._pending_gather = None
+        if self.gathered:
+            for p in self.params:
+                p.full.untyped_storage().resize_(0)
+            self.gathered = False
+        GATHER_STATS.discard(self)
+
+    # -- gradients -------------------------------------------------------------
+    def full_grads(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The trainable parameters' full gradients, plus any no_sync accumulation."""
+        by_id = {id(p): g for p, g in zip(self.params, grads)}
+        out = [by_id[id(p)] for p in self.trainable]
+        if self.accumulated is not None:
+            out = [
+                a if g is None else (g if a is None else a + g)
+                for g, a in zip(out, self.accumulated)
+            ]
+            self.accumulated = None
+        return out
+
+    def accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Keep full gradients locally (inside ``no_sync``) for the next synced backward."""
+        full = self.full_grads(grads)
+        self.accumulated = [None if g is None else g.to(self.reduce_dtype, copy=True) for g in full]
+
+    def reduce_grads(self, grads: Sequence[torch.Tensor | None]) -> _PendingReduce | None:
+        """Start the averaged reduce-scatter of full gradients into the shards' ``.grad``."""
+        if not self.trainable:
+            return None
+        full = self.full_grads(grads)
+        seg = self.grad_layout.segment_numel
+        buf = torch.empty(self.world * seg, dtype=self.reduce_dtype, device=self.device)
+        view = buf.view(self.world, seg)
+        for slot, g in zip(self.grad_layout.slots, full):
+            slot.scatter_in(view, g)
+        # fp16 overflows easily when summed: divide first; otherwise divide the result.
+        post_div = float(self.world)
+        if self.reduce_dtype == torch.float16 and self.world > 1:
+            buf.div_(self.world)
+            post_div = 1.0
+        out = torch.empty(seg, dtype=self.reduce_dtype, device=self.device)
+        work = reduce_scatter_flat(out, buf, self.group, self.world)
+        return _PendingReduce(self, work, out, post_div, buf)

@@ -1,0 +1,123 @@
+"""Auto-wrap policies and the recursive wrapping pass."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+__all__ = [
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "lambda_auto_wrap_policy",
+    "auto_wrap",
+]
+
+#: Containers are never worth a unit of their own: they have no forward of note.
+_EXCLUDED = (nn.ModuleList, nn.ModuleDict)
+
+
+def size_based_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: Iterable[type] | None = None,
+    exclude_wrap_modules: Iterable[type] | None = None,
+) -> bool:
+    """Wrap a submodule once it holds at least ``min_num_params`` not-yet-wrapped parameters.
+
+    Use with ``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``.
+    ``force_leaf_modules`` are not descended into; ``exclude_wrap_modules`` (default
+    ``ModuleList`` / ``ModuleDict``) are never units themselves.
+    """
+    if recurse:
+        return not isinstance(module, tuple(force_leaf_modules or ()))
+    excluded = tuple(exclude_wrap_modules) if exclude_wrap_modules is not None else _EXCLUDED
+    return nonwrapped_numel >= min_num_params and not isinstance(module, excluded)
+
+
+def transformer_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,
+    transformer_layer_cls: Iterable[type],
+) -> bool:
+    """Wrap every instance of the given layer classes (e.g. a transformer block).
+
+    Use with ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``.
+    """
+    if recurse:
+        return True
+    return isinstance(module, tuple(transformer_layer_cls))
+
+
+def lambda_auto_wrap_policy(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int, lambda_fn: Callable
+) -> bool:
+    """Wrap every submodule for which ``lambda_fn(module)`` is true."""
+    if recurse:
+        return True
+    return bool(lambda_fn(module))
+
+
+def _param_counts(module: nn.Module) -> Counter:
+    """How many (module, attribute) slots refer to each parameter, by id."""
+    counts: Counter = Counter()
+    for mod in module.modules(remove_duplicate=False):
+        for p in mod._parameters.values():
+            if p is not None and not getattr(p, "_shardkit_fsdp_shard", False):
+                counts[id(p)] += 1
+    return counts
+
+
+def _numel(module: nn.Module, wrapper_cls: type) -> int:
+    seen, total = set(), 0
+    for mod in module.modules():
+        if isinstance(mod, wrapper_cls):
+            continue
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in seen and not getattr(p, "_shardkit_fsdp_shard", 0):
+                seen.add(id(p))
+                total += p.numel()
+    return total
+
+
+def auto_wrap(
+    root: nn.Module,
+    policy: Callable,
+    wrapper: Callable,
+    kwargs: dict[str, Any],
+    wrapper_cls: type,
+) -> None:
+    """Replace, bottom-up, each child of ``root`` the policy selects by ``wrapper(child, **kwargs)``.
+
+    A submodule whose parameters are also used outside it (tied weights) is left to its
+    parent's unit, so a tied parameter is always sharded once.
+    """
+    total = _param_counts(root)
+
+    def self_contained(module: nn.Module) -> bool:
+        inner = _param_counts(module)
+        return all(total[pid] == n for pid, n in inner.items())
+
+    def visit(module: nn.Module, is_root: bool) -> tuple[nn.Module, int]:
+        if isinstance(module, wrapper_cls):
+            return module, 0
+        numel = _numel(module, wrapper_cls)
+        if not policy(module, True, numel):
+            return module, 0
+        wrapped = 0
+        for name, child in list(module.named_children()):
+            new_child, n = visit(child, False)
+            if new_child is not child:
+                setattr(module, name, new_child)
+            wrapped += n
+        remainder = numel - wrapped
+        if not is_root and policy(module, False, remainder) and self_contained(module):
+            return wrapper(module, **kwargs), numel
+        return module, wrapped
+
+    visit(root, True)
