@@ -6,7 +6,7 @@ local piece with its :class:`Box` in the global index space.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -136,13 +136,18 @@ def _has_tensor(value: Any) -> bool:
     return False
 
 
-def flatten(state_dict: dict, *, for_save: bool) -> Flat:
+def flatten(state_dict: dict, *, for_save: bool, saved_keys: Collection[str] | None = None) -> Flat:
     """Flatten ``state_dict`` into dotted keys.
 
-    A container with no tensor and no Stateful inside is one JSON value (so a list can
-    change length between save and load); other containers are walked. Stateful objects
-    are replaced by their ``state_dict()``.
+    A JSON container (no tensor, no Stateful inside) is one value, so a list may change
+    length between save and load; other containers are walked. On load, ``saved_keys``
+    (the checkpoint's keys) also walks JSON containers the checkpoint stored per entry.
+    Stateful objects are replaced by their ``state_dict()``.
     """
+    parents = set()
+    for saved in saved_keys or ():
+        parts = saved.split(".")
+        parents.update(".".join(parts[:i]) for i in range(1, len(parts)))
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     flat = Flat({}, {}, {}, {}, [])
@@ -173,7 +178,9 @@ def flatten(state_dict: dict, *, for_save: bool) -> Flat:
             flat.statefuls.append((value, inner))
             walk_container(inner, key)
             return
-        if isinstance(value, (dict, list, tuple)) and _has_tensor(value):
+        if isinstance(value, (dict, list, tuple)) and (
+            _has_tensor(value) or not is_json_value(value) or key in parents
+        ):
             walk_container(value, key)
             return
         claim(key, "a value")

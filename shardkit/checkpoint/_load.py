@@ -211,7 +211,7 @@ def load(
     if not isinstance(planner, LoadPlanner):
         raise TypeError(f"planner must be a LoadPlanner, got {type(planner).__name__}")
     metadata = _metadata(reader)
-    flat = flatten(state_dict, for_save=False)
+    flat = flatten(state_dict, for_save=False, saved_keys=metadata.keys())
     planner.set_up_planner(flat, metadata, strict=bool(strict))
     plan = planner.create_local_plan()
     why = {}
