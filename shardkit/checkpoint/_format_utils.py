@@ -1,0 +1,240 @@
+"""Conversions between shardkit checkpoints, ``torch.save`` files, single safetensors
+files and checkpoints written by ``torch.distributed.checkpoint``."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import fsspec
+import torch
+
+from ._format import decode_value, encode_value, is_json_value
+from ._format_utils_io import (
+    VALUES_KEY,
+    SafetensorsStreamWriter,
+    checkpoint_metadata,
+    is_local,
+    progress_bar,
+    read_full,
+    read_objects,
+    read_safetensors,
+    require_file,
+)
+from ._save import save
+
+__all__ = [
+    "dcp_to_torch_save",
+    "torch_save_to_dcp",
+    "to_safetensors",
+    "from_safetensors",
+    "import_torch_dcp",
+]
+
+
+def dcp_to_torch_save(
+    dcp_checkpoint_dir: str | os.PathLike,
+    torch_save_path: str | os.PathLike,
+    *,
+    allow_pickle: bool = False,
+    progress: bool = True,
+) -> None:
+    """Write a shardkit checkpoint as one ``torch.save`` file of full tensors.
+
+    Keys are the checkpoint's flat dotted keys. Tensors are read a batch at a time into
+    the output dict (``torch.save`` needs the whole dict, so the output is the memory
+    bound). Values saved with pickle are refused unless ``allow_pickle``.
+
+    Args:
+        dcp_checkpoint_dir: the shardkit checkpoint (path or fsspec URL).
+        torch_save_path: the file to write (path or fsspec URL).
+        allow_pickle: load pickled values too (only for checkpoints you trust).
+        progress: show a progress bar (only on a terminal).
+    """
+    metadata, reader = checkpoint_metadata(dcp_checkpoint_dir)
+    _refuse_objects(metadata, allow_pickle, "dcp_to_torch_save")
+    out: dict[str, Any] = {}
+    with progress_bar(len(metadata.keys()), "dcp_to_torch_save", progress) as bar:
+        for batch in read_full(reader, metadata, list(metadata.tensors)):
+            out.update(batch)
+            bar.update(len(batch))
+        out.update(metadata.values)
+        out.update(read_objects(reader, list(metadata.objects)))
+        bar.update(len(metadata.values) + len(metadata.objects))
+    ordered = {k: out[k] for k in metadata.keys()}
+    if is_local(torch_save_path):
+        torch.save(ordered, os.fspath(torch_save_path).removeprefix("file://"))
+    else:
+        with fsspec.open(os.fspath(torch_save_path), "wb") as f:
+            torch.save(ordered, f)
+
+
+def _refuse_objects(metadata, allow_pickle: bool, what: str) -> None:
+    if metadata.objects and not allow_pickle:
+        raise ValueError(
+            f"{what}: keys {sorted(metadata.objects)} were saved with pickle; loading them runs "
+            "code from the checkpoint. Pass allow_pickle=True only if you trust it"
+        )
+
+
+def torch_save_to_dcp(
+    torch_save_path: str | os.PathLike,
+    dcp_checkpoint_dir: str | os.PathLike,
+    *,
+    progress: bool = True,
+) -> None:
+    """Write a ``torch.save`` file of a (nested) dict as a shardkit checkpoint.
+
+    The file is read with ``weights_only=True`` (no arbitrary unpickling) and, for the
+    zip format, memory-mapped, so tensors cost page cache rather than a copy. Nested dicts
+    become dotted keys, exactly as :func:`shardkit.checkpoint.save` flattens them.
+    """
+    require_file(torch_save_path, "torch.save file")
+    with progress_bar(2, "torch_save_to_dcp", progress) as bar:
+        state = _torch_load(torch_save_path)
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"{os.fspath(torch_save_path)!r} holds a {type(state).__name__}; only a dict "
+                "(a state dict) can become a checkpoint"
+            )
+        bar.update(1)
+        save(state, checkpoint_id=dcp_checkpoint_dir)
+        bar.update(1)
+
+
+def _torch_load(path: str | os.PathLike) -> Any:
+    if not is_local(path):
+        with fsspec.open(os.fspath(path), "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    local = os.fspath(path).removeprefix("file://")
+    try:
+        return torch.load(local, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        # legacy (non-zip) torch.save format: cannot be mapped, read it whole
+        return torch.load(local, map_location="cpu", weights_only=True)
+
+
+def to_safetensors(
+    checkpoint_id: str | os.PathLike,
+    path: str | os.PathLike,
+    *,
+    progress: bool = True,
+) -> None:
+    """Write a shardkit checkpoint as one safetensors file of full tensors.
+
+    Streams: at most one batch of tensors (64 MiB, or one tensor if larger) is in memory.
+    Non-tensor values go into the header's ``__metadata__`` under ``"shardkit.values"``
+    as a JSON object (the checkpoint format's JSON encoding). Pickled values cannot be
+    stored and raise ``ValueError`` naming them.
+    """
+    metadata, reader = checkpoint_metadata(checkpoint_id)
+    _refuse_objects(metadata, False, "to_safetensors")
+    keys = list(metadata.tensors)
+    entries = [(k, metadata.tensors[k].dtype, metadata.tensors[k].shape) for k in keys]
+    header = {"format": "pt", VALUES_KEY: json.dumps(encode_value(dict(metadata.values)))}
+    writer = SafetensorsStreamWriter(path, entries, header)
+    try:
+        with progress_bar(len(keys), "to_safetensors", progress) as bar:
+            for batch in read_full(reader, metadata, keys):
+                for key, tensor in batch.items():
+                    writer.write(key, tensor)
+                bar.update(len(batch))
+    finally:
+        writer.close()
+
+
+def from_safetensors(
+    path: str | os.PathLike,
+    checkpoint_id: str | os.PathLike,
+    *,
+    progress: bool = True,
+) -> None:
+    """Write a safetensors file (ours or anyone's) as a shardkit checkpoint.
+
+    Local files are memory-mapped, so no tensor is copied into memory before it is saved.
+    Values stored by :func:`to_safetensors` in ``__metadata__`` come back as JSON values;
+    other ``__metadata__`` entries are ignored.
+    """
+    require_file(path, "safetensors file")
+    with progress_bar(2, "from_safetensors", progress) as bar:
+        state: dict[str, Any] = {}
+        tensors, meta = read_safetensors(path)
+        state.update(tensors)
+        if VALUES_KEY in meta:
+            values = decode_value(json.loads(meta[VALUES_KEY]))
+            clash = sorted(set(values) & set(tensors))
+            if clash:
+                raise ValueError(f"{os.fspath(path)!r}: keys {clash} are both tensors and values")
+            state.update(values)
+        bar.update(1)
+        save(state, checkpoint_id=checkpoint_id)
+        bar.update(1)
+
+
+def import_torch_dcp(
+    torch_dcp_dir: str | os.PathLike,
+    checkpoint_id: str | os.PathLike,
+    *,
+    progress: bool = True,
+) -> None:
+    """Convert a checkpoint written by ``torch.distributed.checkpoint`` to a shardkit one.
+
+    Only for checkpoints you trust: torch's metadata file (and any non-tensor value in the
+    checkpoint) is a pickle, and reading it runs code. Tensors are read full, one at a time,
+    with torch's own reader into a temporary safetensors file next to nothing else in
+    memory, then saved with their torch keys (nested dicts as dotted keys). Non-tensor
+    values must be JSON values (numbers, strings, lists, dicts), else ``TypeError`` names
+    the key.
+    """
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    require_file(os.path.join(os.fspath(torch_dcp_dir), ".metadata"), "torch DCP metadata file")
+    reader = tdcp.FileSystemReader(os.fspath(torch_dcp_dir))
+    md = reader.read_metadata()
+    tensor_keys = [
+        k for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
+    ]
+    other_keys = [k for k in md.state_dict_metadata if k not in set(tensor_keys)]
+
+    def read(state: dict[str, Any]) -> None:
+        tdcp.load(
+            state,
+            storage_reader=reader,
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+            no_dist=True,
+        )
+
+    values: dict[str, Any] = {}
+    if other_keys:
+        read(values := dict.fromkeys(other_keys))
+        for key, value in values.items():
+            if not is_json_value(value):
+                raise TypeError(
+                    f"{os.fspath(torch_dcp_dir)!r} key {key!r} holds a {type(value).__name__}, "
+                    "which a shardkit checkpoint stores only as JSON; convert it first"
+                )
+    with tempfile.TemporaryDirectory(prefix="shardkit-import-") as tmp:
+        staged = os.path.join(tmp, "tensors.safetensors")
+        entries = [
+            (k, md.state_dict_metadata[k].properties.dtype, tuple(md.state_dict_metadata[k].size))
+            for k in tensor_keys
+        ]
+        header = {"format": "pt", VALUES_KEY: json.dumps(encode_value(values))}
+        writer = SafetensorsStreamWriter(staged, entries, header)
+        try:
+            with progress_bar(len(tensor_keys), "import_torch_dcp", progress) as bar:
+                for key, dtype, shape in entries:
+                    one = {key: torch.empty(shape, dtype=dtype)}
+                    read(one)
+                    writer.write(key, one[key])
+                    del one
+                    bar.update(1)
+        finally:
+            writer.close()
+        from_safetensors(staged, checkpoint_id, progress=False)

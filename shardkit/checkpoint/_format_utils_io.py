@@ -1,0 +1,263 @@
+"""Building blocks for the format conversions: paths, progress bars, per-key reads from a
+shardkit checkpoint, and a streaming single-file safetensors writer / mmap reader."""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec
+import torch
+from tqdm import tqdm
+
+from ._errors import CheckpointError, CorruptCheckpointError
+from ._format import Metadata, safetensors_dtype
+from ._load import load
+from ._planner import DefaultLoadPlanner
+from ._storage import FileSystemReader
+
+__all__ = [
+    "progress_bar",
+    "is_local",
+    "require_file",
+    "checkpoint_metadata",
+    "read_full",
+    "read_objects",
+    "SafetensorsStreamWriter",
+    "read_safetensors",
+    "VALUES_KEY",
+]
+
+#: The safetensors ``__metadata__`` entry holding the checkpoint's non-tensor values (JSON).
+VALUES_KEY = "shardkit.values"
+#: Bytes of tensors read per load() call when streaming (at least one whole tensor).
+BATCH_BYTES = 64 << 20
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def progress_bar(total: int, desc: str, progress: bool) -> tqdm:
+    """A tqdm bar on stderr, shown only when asked for and stderr is a terminal."""
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
+    return tqdm(
+        total=total, desc=desc, unit="tensor", disable=not (progress and sys.stderr.isatty())
+    )
+
+
+def is_local(path: str | os.PathLike) -> bool:
+    text = os.fspath(path)
+    return "://" not in text or text.startswith("file://")
+
+
+def _local(path: str | os.PathLike) -> str:
+    return os.fspath(path).removeprefix("file://")
+
+
+def require_file(path: str | os.PathLike, what: str) -> None:
+    """FileNotFoundError naming ``path`` unless a file is there."""
+    if is_local(path):
+        exists = os.path.isfile(_local(path))
+    else:
+        fs, p = fsspec.core.url_to_fs(os.fspath(path))
+        exists = fs.isfile(p)
+    if not exists:
+        raise FileNotFoundError(f"{what} {os.fspath(path)!r} does not exist (or is not a file)")
+
+
+class _CachedReader(FileSystemReader):
+    """A reader that fetches the metadata file once for many per-key loads."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._metadata: bytes | None = None
+
+    def read_metadata(self) -> bytes:
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        return self._metadata
+
+
+def checkpoint_metadata(checkpoint_id: str | os.PathLike) -> tuple[Metadata, _CachedReader]:
+    """The metadata of a committed shardkit checkpoint; FileNotFoundError naming the path."""
+    reader = _CachedReader(checkpoint_id)
+    try:
+        raw = reader.read_metadata()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no committed shardkit checkpoint at {os.fspath(checkpoint_id)!r} (its "
+            "metadata.json is missing: wrong path, or the save never committed)"
+        ) from None
+    return Metadata.from_json(raw, f"{os.fspath(checkpoint_id)}/metadata.json"), reader
+
+
+def _batches(metadata: Metadata, keys: Sequence[str]) -> Iterator[list[str]]:
+    """Consecutive keys whose tensors together stay under max(BATCH_BYTES, one tensor)."""
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        meta = metadata.tensors[key]
+        nbytes = math.prod(meta.shape) * meta.dtype.itemsize
+        if batch and size + nbytes > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def read_full(
+    reader: FileSystemReader, metadata: Metadata, keys: Sequence[str]
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Full CPU tensors for ``keys``, a batch at a time (checksums verified by load)."""
+    for batch in _batches(metadata, keys):
+        out = {
+            k: torch.empty(metadata.tensors[k].shape, dtype=metadata.tensors[k].dtype)
+            for k in batch
+        }
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"load\(strict=False\)")
+            load(out, storage_reader=reader, planner=DefaultLoadPlanner(), strict=False)
+        yield out
+
+
+def read_objects(reader: FileSystemReader, keys: Sequence[str]) -> dict[str, Any]:
+    """Values saved with pickle (the caller opted in with allow_pickle)."""
+    out: dict[str, Any] = dict.fromkeys(keys)
+    if keys:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"load\(strict=False\)")
+            load(
+                out,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(allow_pickle=True),
+                strict=False,
+            )
+    return out
+
+
+class SafetensorsStreamWriter:
+    """Writes one safetensors file tensor by tensor, so only one tensor is in memory.
+
+    The safetensors library writes from a complete dict; the format itself (an 8-byte
+    header length, a JSON header of dtypes, shapes and byte ranges, then the bytes) allows
+    streaming once every shape is known, which a checkpoint's metadata tells up front.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        metadata: dict[str, str],
+    ) -> None:
+        header: dict[str, Any] = {"__metadata__": dict(metadata)}
+        pos = 0
+        self._order: list[tuple[str, int]] = []
+        for key, dtype, shape in entries:
+            if key == "__metadata__":
+                raise ValueError("a tensor named '__metadata__' cannot be stored in safetensors")
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[key] = {
+                "dtype": safetensors_dtype(dtype),
+                "shape": [int(s) for s in shape],
+                "data_offsets": [pos, pos + nbytes],
+            }
+            self._order.append((key, nbytes))
+            pos += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(len(raw) + 8) % 8)
+        self._file = fsspec.open(os.fspath(path), "wb").open()
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Append ``key``'s bytes; keys must come in the order given to the constructor."""
+        want, nbytes = self._order[self._next]
+        assert key == want, (key, want)
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert data.numel() == nbytes, (key, data.numel(), nbytes)
+        self._file.write(memoryview(data.numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        """Finish the file; every tensor must have been written."""
+        try:
+            if self._next != len(self._order):
+                raise CheckpointError(
+                    f"safetensors file incomplete: {self._next} of {len(self._order)} tensors"
+                )
+        finally:
+            self._file.close()
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of a safetensors file, and its ``__metadata__``.
+
+    Local files are memory-mapped copy-on-write, so the tensors cost page cache, not heap;
+    remote files are read whole.
+    """
+    if is_local(path):
+        with open(_local(path), "rb") as f:
+            buf: Any = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                if os.fstat(f.fileno()).st_size
+                else b""
+            )
+    else:
+        with fsspec.open(os.fspath(path), "rb") as f:
+            buf = bytearray(f.read())
+    name = os.fspath(path)
+    if len(buf) < 8:
+        raise CorruptCheckpointError(f"{name}: too short to be a safetensors file")
+    (hlen,) = struct.unpack("<Q", buf[:8])
+    if 8 + hlen > len(buf):
+        raise CorruptCheckpointError(f"{name}: header length {hlen} runs past the end of the file")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{name}: safetensors header is not JSON ({exc})") from None
+    meta = header.pop("__metadata__", None) or {}
+    base, tensors = 8 + hlen, {}
+    for key, info in header.items():
+        dtype = _ST_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise CorruptCheckpointError(
+                f"{name}: key {key!r} has unsupported dtype {info.get('dtype')!r}"
+            )
+        shape = tuple(int(s) for s in info["shape"])
+        start, end = (int(x) for x in info["data_offsets"])
+        if end - start != math.prod(shape) * dtype.itemsize or base + end > len(buf):
+            raise CorruptCheckpointError(
+                f"{name}: key {key!r} byte range {start}..{end} is inconsistent"
+            )
+        if start == end:
+            tensors[key] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - start, offset=base + start)
+        if (base + start) % dtype.itemsize:
+            raw = raw.clone()  # keep element access aligned
+        tensors[key] = raw.view(dtype).reshape(shape)
+    return tensors, meta
