@@ -15,6 +15,7 @@ from ._format import decode_value, encode_value, is_json_value
 from ._format_utils_io import (
     VALUES_KEY,
     SafetensorsStreamWriter,
+    check_progress,
     checkpoint_metadata,
     is_local,
     progress_bar,
@@ -53,6 +54,7 @@ def dcp_to_torch_save(
         allow_pickle: load pickled values too (only for checkpoints you trust).
         progress: show a progress bar (only on a terminal).
     """
+    check_progress(progress)
     metadata, reader = checkpoint_metadata(dcp_checkpoint_dir)
     _refuse_objects(metadata, allow_pickle, "dcp_to_torch_save")
     out: dict[str, Any] = {}
@@ -71,12 +73,20 @@ def dcp_to_torch_save(
             torch.save(ordered, f)
 
 
-def _refuse_objects(metadata, allow_pickle: bool, what: str) -> None:
-    if metadata.objects and not allow_pickle:
+def _refuse_objects(metadata, allow_pickle: bool | None, what: str) -> None:
+    """``allow_pickle=None``: the target format cannot hold pickled values at all."""
+    if not metadata.objects or allow_pickle:
+        return
+    keys = sorted(metadata.objects)
+    if allow_pickle is None:
         raise ValueError(
-            f"{what}: keys {sorted(metadata.objects)} were saved with pickle; loading them runs "
-            "code from the checkpoint. Pass allow_pickle=True only if you trust it"
+            f"{what}: keys {keys} were saved with pickle and a safetensors file cannot hold "
+            "them; use dcp_to_torch_save(..., allow_pickle=True) for a trusted checkpoint"
         )
+    raise ValueError(
+        f"{what}: keys {keys} were saved with pickle; loading them runs code from the "
+        "checkpoint. Pass allow_pickle=True only if you trust it"
+    )
 
 
 def torch_save_to_dcp(
@@ -91,6 +101,7 @@ def torch_save_to_dcp(
     zip format, memory-mapped, so tensors cost page cache rather than a copy. Nested dicts
     become dotted keys, exactly as :func:`shardkit.checkpoint.save` flattens them.
     """
+    check_progress(progress)
     require_file(torch_save_path, "torch.save file")
     with progress_bar(2, "torch_save_to_dcp", progress) as bar:
         state = _torch_load(torch_save_path)
@@ -131,8 +142,9 @@ def to_safetensors(
     as a JSON object (the checkpoint format's JSON encoding). Pickled values cannot be
     stored and raise ``ValueError`` naming them.
     """
+    check_progress(progress)
     metadata, reader = checkpoint_metadata(checkpoint_id)
-    _refuse_objects(metadata, False, "to_safetensors")
+    _refuse_objects(metadata, None, "to_safetensors")
     keys = list(metadata.tensors)
     entries = [(k, metadata.tensors[k].dtype, metadata.tensors[k].shape) for k in keys]
     header = {"format": "pt", VALUES_KEY: json.dumps(encode_value(dict(metadata.values)))}
@@ -159,6 +171,7 @@ def from_safetensors(
     Values stored by :func:`to_safetensors` in ``__metadata__`` come back as JSON values;
     other ``__metadata__`` entries are ignored.
     """
+    check_progress(progress)
     require_file(path, "safetensors file")
     with progress_bar(2, "from_safetensors", progress) as bar:
         state: dict[str, Any] = {}
@@ -190,6 +203,7 @@ def import_torch_dcp(
     values must be JSON values (numbers, strings, lists, dicts), else ``TypeError`` names
     the key.
     """
+    check_progress(progress)
     import torch.distributed.checkpoint as tdcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -24,6 +24,7 @@ from ._planner import DefaultLoadPlanner
 from ._storage import FileSystemReader
 
 __all__ = [
+    "check_progress",
     "progress_bar",
     "is_local",
     "require_file",
@@ -58,10 +59,15 @@ _ST_DTYPES = {
 }
 
 
-def progress_bar(total: int, desc: str, progress: bool) -> tqdm:
-    """A tqdm bar on stderr, shown only when asked for and stderr is a terminal."""
+def check_progress(progress: object) -> None:
+    """TypeError unless ``progress`` is a bool."""
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be a bool, got {progress!r}")
+
+
+def progress_bar(total: int, desc: str, progress: bool) -> tqdm:
+    """A tqdm bar on stderr, shown only when asked for and stderr is a terminal."""
+    check_progress(progress)
     return tqdm(
         total=total, desc=desc, unit="tensor", disable=not (progress and sys.stderr.isatty())
     )
