@@ -6,11 +6,13 @@ per parameter; see docs/fsdp.md for the design and for checkpoints.
 
 from . import wrap
 from ._checkpoint_module import checkpoint_module
+from ._consolidate import consolidate_sharded_model_checkpoints
 from ._fsdp import FSDP, FullyShardedDataParallel
 
 __all__ = [
     "FSDP",
     "FullyShardedDataParallel",
     "checkpoint_module",
+    "consolidate_sharded_model_checkpoints",
     "wrap",
 ]

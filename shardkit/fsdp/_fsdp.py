@@ -124,7 +124,7 @@ class FullyShardedDataParallel(nn.Module):
             getattr(m, "_shardkit_checkpointed", False) for m in self._own_modules()
         )
         self._is_root: bool | None = None
-        self._root: FullyShardedDataParallel = self
+        self.__dict__["_root"] = self  # not a submodule: no cycle in the module tree
         self._uses = 0  # gathers of this iteration whose backward has not run yet
         # root-only bookkeeping
         self._units: list[FullyShardedDataParallel] = []
@@ -231,7 +231,7 @@ class FullyShardedDataParallel(nn.Module):
                         "through the outermost FSDP module only"
                     )
                 unit._is_root = False
-                unit._root = self
+                unit.__dict__["_root"] = self
         self._state.is_root = True
 
     def _neighbour(self, unit: FullyShardedDataParallel, step: int):

@@ -39,10 +39,13 @@ class GatherStats:
     peak: int = 0
     peak_non_root: int = 0
     non_root: set = field(default_factory=set)
+    gathers: int = 0  # all-gathers issued
+    prefetched: int = 0  # of which were issued ahead of need and waited for later
 
     def reset(self) -> None:
         self.peak = len(self.current)
         self.peak_non_root = len(self.non_root)
+        self.gathers = self.prefetched = 0
 
     def add(self, unit: UnitState) -> None:
         self.current.add(id(unit))
@@ -134,11 +137,14 @@ class UnitState:
         work = all_gather_flat(out, send, self.group, self.world)
         self._pending_gather = (work, out, send)
         GATHER_STATS.add(self)
+        GATHER_STATS.gathers += 1
 
     def ensure_gathered(self) -> None:
         """Make the full parameters available, waiting for a prefetch if one is in flight."""
         if self.gathered or not self.params:
             return
+        if self._pending_gather is not None:
+            GATHER_STATS.prefetched += 1
         self.issue_gather()
         work, out, _send = self._pending_gather
         work.wait()

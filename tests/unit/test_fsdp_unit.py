@@ -1,0 +1,269 @@
+"""FSDP pure logic and a world of one (no process group): layout, options, wrapping,
+checkpoint_module, parity with plain torch, mixed precision, no_sync, clipping, per-rank
+checkpoints and consolidation."""
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from shardkit.fsdp import FSDP, checkpoint_module, consolidate_sharded_model_checkpoints
+from shardkit.fsdp._consolidate import find_rank_files, rank_file_name
+from shardkit.fsdp._layout import UnitLayout
+from shardkit.fsdp.wrap import (
+    lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.a = nn.Linear(d, 2 * d)
+        self.b = nn.Linear(2 * d, d)
+
+    def forward(self, x, *, scale=1.0):
+        return x + scale * self.b(torch.relu(self.a(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d=8, n=3, out=3):
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, out)
+        self.gate = nn.Parameter(torch.tensor(0.7))  # 0-d: replicated
+        self.register_buffer("shift", torch.linspace(-1, 1, out))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h, scale=0.5)
+        return self.gate * self.head(h) + self.shift
+
+
+def _net(seed=0, **kw):
+    torch.manual_seed(seed)
+    return Net(**kw)
+
+
+BLOCK_POLICY = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+
+
+# -- layout ------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_layout_gather_and_reduce_scatter_round_trip(world):
+    shapes = [(7, 3), (2,), (0, 4), (), (5,), (4, 2, 2)]
+    layout = UnitLayout.build(shapes, world)
+    torch.manual_seed(world)
+    fulls = [torch.randn(s) for s in shapes]
+    seg = layout.segment_numel
+    gathered = torch.full((world, seg), float("nan"))
+    for rank in range(world):
+        shards = [slot.shard_of(f, rank) for slot, f in zip(layout.slots, fulls)]
+        assert [tuple(s.shape) for s in shards] == [
+            tuple(torch.chunk(f, world)[rank].shape)
+            if f.ndim and rank < len(torch.chunk(f, world))
+            else slot.local_shape(rank)
+            for slot, f in zip(layout.slots, fulls)
+        ]
+        layout.pack_shards(shards, gathered[rank], rank)
+    for slot, f in zip(layout.slots, fulls):
+        out = torch.empty_like(f)
+        slot.gather_out(gathered, out)
+        assert torch.equal(out, f)
+    # reduce-scatter: every rank contributes the same gradients -> world x each shard
+    buf = torch.empty(world, seg)
+    for slot, g in zip(layout.slots, fulls):
+        slot.scatter_in(buf, g)
+    reduced = buf * world
+    for rank in range(world):
+        for slot, g, view in zip(layout.slots, fulls, layout.unpack_grads(reduced[rank], rank)):
+            assert torch.equal(view, slot.shard_of(g, rank) * world)
+
+
+def test_layout_rows_follow_torch_chunk():
+    layout = UnitLayout.build([(10, 2)], 4)
+    slot = layout.slots[0]
+    assert [slot.rows(r) for r in range(4)] == [(0, 3), (3, 3), (6, 3), (9, 1)]
+    assert slot.padded_numel == 6 and layout.segment_numel == 6
+
+
+# -- options and wrapping -------------------------------------------------------------------
+def test_bad_options_name_the_option():
+    with pytest.raises(ValueError, match="flatten_parameters"):
+        FSDP(nn.Linear(2, 2), flatten_parameters=True)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        FSDP(nn.Linear(2, 2), compute_dtype=torch.int8)
+    with pytest.raises(TypeError, match="reshard_after_forward"):
+        FSDP(nn.Linear(2, 2), reshard_after_forward="yes")
+    with pytest.raises(TypeError, match="nn.Module"):
+        FSDP(lambda x: x)
+    with pytest.raises(ValueError, match="already FSDP-wrapped"):
+        FSDP(FSDP(nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match="auto_wrap_policy"):
+        FSDP(nn.Linear(2, 2), auto_wrap_policy=3)
+
+
+def _units(model):
+    return [m for m in model.modules() if isinstance(m, FSDP)]
+
+
+def test_wrap_policies_choose_units():
+    model = FSDP(_net(), auto_wrap_policy=BLOCK_POLICY)
+    assert len(_units(model)) == 4  # root + 3 blocks
+    assert all(isinstance(b, FSDP) for b in model.module.blocks)
+    # 8*16+16 + 16*8+8 + 16 (ln) = 296 params per block, the head has 27
+    sized = FSDP(
+        _net(), auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=200)
+    )
+    assert len(_units(sized)) == 4
+    assert not isinstance(sized.module.blocks, FSDP)  # ModuleList is never a unit
+    lam = FSDP(
+        _net(),
+        auto_wrap_policy=functools.partial(
+            lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Linear)
+        ),
+    )
+    assert len(_units(lam)) == 1 + 2 + 3 * 2  # root, inp, head, a and b of each block
+
+
+def test_tied_parameters_stay_in_one_unit():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(4, 6, bias=False)
+            self.body = Block(6)
+            self.out = nn.Linear(6, 4, bias=False)
+            self.dec = nn.Linear(4, 6, bias=False)
+            self.dec.weight = self.emb.weight  # tied
+
+        def forward(self, x):
+            return self.out(self.body(self.emb(x)) + self.dec(x))
+
+    torch.manual_seed(0)
+    model = FSDP(
+        Tied(),
+        auto_wrap_policy=functools.partial(
+            lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Linear)
+        ),
+    )
+    # emb and dec share a weight, so neither is its own unit; out is
+    assert not isinstance(model.module.emb, FSDP) and not isinstance(model.module.dec, FSDP)
+    assert isinstance(model.module.out, FSDP)
+    assert model.module.emb.weight is model.module.dec.weight
+    with pytest.raises(ValueError, match="shared with a nested FSDP unit"):
+        inner = Tied()
+        inner.emb = FSDP(inner.emb)
+        FSDP(inner)
+
+
+def test_checkpoint_module_keeps_names_and_gradients():
+    torch.manual_seed(0)
+    plain = Block(6)
+    ckpt = checkpoint_module(copy.deepcopy(plain))
+    assert list(ckpt.state_dict()) == list(plain.state_dict())
+    x = torch.randn(3, 6, requires_grad=True)
+    plain(x, scale=0.3).square().sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    ckpt(x2, scale=0.3).square().sum().backward()
+    assert torch.allclose(x.grad, x2.grad)
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        assert torch.allclose(p.grad, q.grad)
+    with pytest.raises(TypeError, match="nn.Module"):
+        checkpoint_module(3)
+
+
+# -- a world of one -------------------------------------------------------------------------
+def _train(model, steps=4, accumulate=False, clip=None):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    norms = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+        opt.zero_grad()
+        if accumulate:
+            with model.no_sync():
+                ((model(x[:4]) - y[:4]) ** 2).sum().backward()
+            ((model(x[4:]) - y[4:]) ** 2).sum().backward()
+        else:
+            ((model(x) - y) ** 2).sum().backward()
+        if clip is not None:
+            if isinstance(model, FSDP):
+                norms.append(float(model.clip_grad_norm_(clip)))
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return norms
+
+
+def _full_state(model):
+    if isinstance(model, FSDP):
+        return {k: v.full_tensor() for k, v in model._shardkit_sharded_state_dict().items()}
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(auto_wrap_policy=BLOCK_POLICY),
+        dict(auto_wrap_policy=BLOCK_POLICY, reshard_after_forward=False),
+        dict(
+            auto_wrap_policy=BLOCK_POLICY,
+            auto_wrapper_callable=lambda m, **kw: FSDP(checkpoint_module(m), **kw),
+        ),
+    ],
+    ids=["zero3", "zero2", "zero3-ckpt"],
+)
+def test_world_of_one_matches_plain_training(kwargs):
+    ref, model = _net(), FSDP(_net(), **kwargs)
+    ref_norms, norms = _train(ref, clip=0.5), _train(model, clip=0.5)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    got, want = _full_state(model), _full_state(ref)
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0)
+
+
+def test_world_of_one_no_sync_accumulates():
+    ref, model = _net(), FSDP(_net(), auto_wrap_policy=BLOCK_POLICY)
+    _train(ref)
+    _train(model, accumulate=True)
+    got, want = _full_state(model), _full_state(ref)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0)
+
+
+def test_world_of_one_mixed_precision_runs_in_bf16():
+    model = FSDP(_net(), auto_wrap_policy=BLOCK_POLICY, compute_dtype=torch.bfloat16)
+    out = model(torch.randn(2, 5))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(
+        p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters()
+    )
+    assert model.module.shift.dtype == torch.bfloat16  # buffers follow compute_dtype
+
+
+def test_per_rank_checkpoint_consolidates(tmp_path):
+    model = FSDP(_net(), auto_wrap_policy=BLOCK_POLICY)
+    _train(model, steps=1)
+    prefix = str(tmp_path / "ckpt")
+    torch.save(
+        {"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()},
+        rank_file_name(prefix, 0, 1),
+    )
+    full, path = consolidate_sharded_model_checkpoints(prefix, "_rank-*-of-*.pth")
+    assert path == prefix + "_consolidated.pth"
+    plain = _net(seed=5)
+    plain.load_state_dict(torch.load(path, weights_only=True)["model"])
+    for k, v in _full_state(model).items():
+        assert torch.equal(plain.state_dict()[k], v)
+    # an extra rank file is named in the error
+    torch.save({}, rank_file_name(prefix, 3, 1))
+    with pytest.raises(ValueError, match="rank-00000003-of-00000001"):
+        find_rank_files(prefix, "_rank-*-of-*.pth")
