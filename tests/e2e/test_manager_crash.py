@@ -1,0 +1,129 @@
+"""Crash test: a loop saving asynchronously every step is SIGKILLed at random moments.
+
+After each kill a verifier (this process) checks that the newest listed step restores
+exactly what was saved at that step and that retention holds; the loop then restarts,
+resumes from that step and checks the restored state bit-exactly itself.
+
+Retention tolerance: a kill can land after a commit but before its background
+retention pass, so up to ``MAX_TO_KEEP + MAX_PENDING`` committed steps may be listed
+(the manager never lets more accumulate: each save first waits for the previous
+commit's retention pass). The listed steps are always the newest, consecutive ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import torch
+
+KILLS = 20
+MAX_TO_KEEP = 3
+MAX_PENDING = 1
+
+
+def _expected(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(32, 16, generator=g), "b": torch.randn(16, generator=g)},
+        "optim": {"step": torch.tensor(float(step)), "m": torch.randn(32, 16, generator=g)},
+        "progress": {"step": step, "tag": f"s{step}"},
+    }
+
+
+def _alloc() -> dict:
+    return {
+        "model": {"w": torch.zeros(32, 16), "b": torch.zeros(16)},
+        "optim": {"step": torch.tensor(0.0), "m": torch.zeros(32, 16)},
+        "progress": {"step": -1, "tag": ""},
+    }
+
+
+def _fill(state: dict, step: int) -> None:
+    """Overwrite ``state`` in place with step's values (what a training step would do)."""
+    want = _expected(step)
+    for part in ("model", "optim"):
+        for key, t in state[part].items():
+            t.copy_(want[part][key])
+    state["progress"] = want["progress"]
+
+
+def _equal(a: dict, b: dict) -> bool:
+    tensors = all(torch.equal(a[p][k], b[p][k]) for p in ("model", "optim") for k in a[p])
+    return tensors and a["progress"] == b["progress"]
+
+
+def _manager(url):
+    from shardkit.checkpoint import CheckpointManager
+
+    return CheckpointManager(
+        url,
+        1,
+        max_to_keep=MAX_TO_KEEP,
+        max_pending_async=MAX_PENDING,
+        chkpt_on_preemption=False,
+    )
+
+
+def _loop(url: str, conn) -> None:
+    """The training loop that gets killed: resume, then save every step asynchronously."""
+    torch.set_num_threads(1)
+    mgr = _manager(url)
+    latest = mgr.latest_step()
+    state = _alloc()
+    if latest is not None:
+        mgr.restore(latest, state)
+    conn.send((latest, latest is None or _equal(state, _expected(latest))))
+    for step in itertools.count(0 if latest is None else latest + 1):
+        _fill(state, step)
+        mgr.save_async(step, state)
+
+
+def test_sigkill_at_random_moments_never_loses_a_committed_step(tmp_path):
+    import torch.distributed.tensor  # noqa: F401  (imported once here, not in every child)
+
+    from shardkit.checkpoint._manager_storage import StepStore
+
+    url = str(tmp_path / "run")
+    # fork: each restart is a copy of this already-warm process (torch and shardkit
+    # imported), so 20 restarts cost well under a second each.
+    ctx = mp.get_context("fork")
+    rng = random.Random(20261122)
+    newest, mid_save_kills = None, 0
+    for kill in range(KILLS):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_loop, args=(url, send), daemon=True)
+        proc.start()
+        send.close()
+        try:
+            assert recv.poll(60), f"kill {kill}: the loop did not start"
+            resumed_from, restored_ok = recv.recv()
+            assert resumed_from == newest, f"kill {kill}: resumed from {resumed_from}, not {newest}"
+            assert restored_ok, f"kill {kill}: step {resumed_from} did not restore bit-exactly"
+            time.sleep(rng.uniform(0.02, 0.4))
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(30)
+        assert proc.exitcode == -signal.SIGKILL
+
+        store = StepStore(url)
+        mid_save_kills += any(not store.has_marker(s) for s in store.list_step_dirs())
+        mgr = _manager(url)  # removes the incomplete step directory, if any
+        steps = mgr.all_steps()
+        assert store.list_step_dirs() == steps, "an incomplete step directory survived"
+        if newest is not None:
+            assert steps and steps[-1] >= newest, f"kill {kill}: newest went back: {steps}"
+        if steps:
+            assert len(steps) <= MAX_TO_KEEP + MAX_PENDING, f"kill {kill}: retention: {steps}"
+            assert steps == list(range(steps[0], steps[-1] + 1)), steps
+            state = mgr.restore(steps[-1], _alloc())
+            assert _equal(state, _expected(steps[-1])), f"kill {kill}: step {steps[-1]} differs"
+            newest = steps[-1]
+        mgr.close()
+    assert newest is not None and newest >= KILLS, f"the loop barely progressed: {newest}"
+    assert mid_save_kills >= 1, "no kill landed during a save; the test exercised nothing"
+    print(f"newest step {newest}; {mid_save_kills}/{KILLS} kills interrupted a save")
