@@ -1,0 +1,245 @@
+"""shardkit.checkpoint vs torch.distributed.checkpoint on the same state, side by side.
+
+2 ranks (gloo, CPU), >= 1 GiB of state: DTensor shards (Shard(0)) plus plain replicated
+tensors; fsync on for both. Prints one JSON line of medians and shardkit/torch ratios.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py            # 1 GiB, 3 repeats
+    .venv/bin/python benchmarks/bench_checkpoint.py --quick    # 64 MiB smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from harness import run_ranks  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _timed(fn, barrier) -> float:
+    barrier()
+    t0 = time.perf_counter()
+    fn()
+    barrier()
+    return time.perf_counter() - t0
+
+
+def _state(total_mib: int, rank: int):
+    """75% sharded DTensors (Shard(0) over 2 ranks), 25% replicated plain tensors."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    sharded_mib, rep_mib = total_mib * 3 // 4, total_mib // 4
+    n_sh, n_rep = 12, 8
+    rows_sh = sharded_mib * MiB // 4 // n_sh // 1024
+    rows_rep = rep_mib * MiB // 4 // n_rep // 1024
+    g = torch.Generator().manual_seed(0)
+    sd = {"model": {}, "step": 7}
+    for i in range(n_sh):
+        local = torch.randn(rows_sh // 2, 1024, generator=g) + rank
+        sd["model"][f"sharded{i}"] = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=(rows_sh, 1024), stride=(1024, 1)
+        )
+    for i in range(n_rep):
+        sd["model"][f"rep{i}"] = torch.randn(rows_rep, 1024, generator=g)
+    return sd
+
+
+def _local_tensors(sd):
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in sd["model"].values()]
+
+
+def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as tdcp
+
+    import shardkit.checkpoint as dcp
+
+    rank = dist.get_rank()
+    barrier = dist.barrier
+    base_rss = _rss("VmRSS")
+    sd = _state(total_mib, rank)
+    locals_ = _local_tensors(sd)
+    state_bytes = sum(t.numel() * t.element_size() for t in locals_)
+    out: dict = {"state_bytes_rank": state_bytes}
+
+    # -- shardkit: async first, so its peak RSS is not inflated by earlier work --------------
+    sk = {"async_block": [], "save": [], "load": []}
+    for i in range(repeats + 1):
+        barrier()
+        _reset_peak()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd, checkpoint_id=f"{root}/sk_async")
+        blocked = time.perf_counter() - t0
+        md = fut.result()
+        peak = _rss("VmHWM") - base_rss
+        if i:  # the first call allocates the reusable staging buffer
+            sk["async_block"].append(blocked)
+    share = sum(
+        c.nbytes for t in md.tensors.values() for c in t.chunks if f"-{rank:05d}-" in c.file
+    )
+    out["async_peak_rss_over_base"] = peak
+    out["rank_share_bytes"] = share
+    for _ in range(repeats):
+        sk["save"].append(_timed(lambda: dcp.save(sd, checkpoint_id=f"{root}/sk"), barrier))
+    for _ in range(repeats):
+        sk["load"].append(_timed(lambda: dcp.load(sd, checkpoint_id=f"{root}/sk"), barrier))
+
+    # -- one plain memcpy of the same bytes (preallocated, pre-touched destination) ---------
+    dst = [torch.empty_like(t) for t in locals_]
+    for d, t in zip(dst, locals_):
+        d.copy_(t)
+    memcpy = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for d, t in zip(dst, locals_):
+            d.copy_(t)
+        memcpy.append(time.perf_counter() - t0)
+    del dst
+
+    # -- torch.distributed.checkpoint ------------------------------------------------------
+    th = {"async_block": [], "save": [], "load": []}
+    for _ in range(repeats):
+        th["save"].append(_timed(lambda: tdcp.save(sd, checkpoint_id=f"{root}/th"), barrier))
+    for _ in range(repeats):
+        th["load"].append(_timed(lambda: tdcp.load(sd, checkpoint_id=f"{root}/th"), barrier))
+    for i in range(repeats + 1):
+        barrier()
+        t0 = time.perf_counter()
+        fut = tdcp.async_save(sd, checkpoint_id=f"{root}/th_async")
+        blocked = time.perf_counter() - t0
+        fut.result()
+        if i:
+            th["async_block"].append(blocked)
+    barrier()
+    med = statistics.median
+    out["shardkit"] = {k: med(v) for k, v in sk.items()}
+    out["torch"] = {k: med(v) for k, v in th.items()}
+    out["memcpy_state"] = med(memcpy)
+    return out
+
+
+def _reshard_save(root: str, total_mib: int, world: int) -> None:
+    import torch
+
+    import shardkit.checkpoint as dcp
+    import shardkit.spmd as xs
+
+    rows = total_mib * MiB // 4 // 8 // 1024
+    if world == 4:
+        mesh, spec = xs.Mesh([0, 1, 2, 3], (2, 2), ("x", "y")), ("x", "y")
+    else:
+        mesh, spec = xs.Mesh([0, 1], (2,), ("x",)), ("x", None)
+    sd = {}
+    for i in range(8):
+        full = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(i))
+        sd[f"w{i}"] = xs.mark_sharding(full, mesh, spec)
+        del full
+    dcp.save(sd, checkpoint_id=f"{root}/re{world}")
+
+
+def _reshard_load(root: str, total_mib: int, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import shardkit.checkpoint as dcp
+    import shardkit.spmd as xs
+
+    rows = total_mib * MiB // 4 // 8 // 1024
+    mesh = xs.Mesh([0, 1], (2,), ("x",))
+    sd = {f"w{i}": xs.ShardedTensor.from_local(torch.empty(rows // 2, 1024), mesh, ("x", None),
+                                               (rows, 1024)) for i in range(8)}  # fmt: skip
+    same, resharded = [], []
+    dcp.load(sd, checkpoint_id=f"{root}/re2")  # warm both
+    dcp.load(sd, checkpoint_id=f"{root}/re4")
+    for _ in range(repeats):
+        same.append(_timed(lambda: dcp.load(sd, checkpoint_id=f"{root}/re2"), dist.barrier))
+        resharded.append(_timed(lambda: dcp.load(sd, checkpoint_id=f"{root}/re4"), dist.barrier))
+    return {"same": statistics.median(same), "resharded": statistics.median(resharded)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 MiB, 1 repeat")
+    parser.add_argument("--mib", type=int, default=1024, help="total state size in MiB")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = parser.parse_args()
+    mib, repeats = (64, 1) if args.quick else (args.mib, args.repeats)
+    root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
+    try:
+        main_res = run_ranks(_main_phase, 2, root, mib, repeats, timeout=3600)
+        for name in ("sk", "sk_async", "th", "th_async"):
+            shutil.rmtree(f"{root}/{name}", ignore_errors=True)
+        run_ranks(_reshard_save, 4, root, mib, 4, timeout=3600)
+        run_ranks(_reshard_save, 2, root, mib, 2, timeout=3600)
+        re = run_ranks(_reshard_load, 2, root, mib, repeats, timeout=3600)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    r0 = main_res[0]
+    sk, th = r0["shardkit"], r0["torch"]
+    worst_rss = max(
+        r["async_peak_rss_over_base"] / (r["state_bytes_rank"] + 1.1 * r["rank_share_bytes"])
+        for r in main_res
+    )
+    re_same = max(r["same"] for r in re)
+    re_resharded = max(r["resharded"] for r in re)
+    result = {
+        "bench": "checkpoint",
+        "ranks": 2,
+        "state_mib": mib,
+        "repeats": repeats,
+        "fsync": True,
+        "shardkit_s": sk,
+        "torch_s": th,
+        "memcpy_state_s": r0["memcpy_state"],
+        "reshard_load_s": {"same_layout": re_same, "4_to_2": re_resharded},
+        "ratios": {
+            "save": sk["save"] / th["save"],
+            "load": sk["load"] / th["load"],
+            "async_block": sk["async_block"] / th["async_block"],
+            "async_block_vs_memcpy": sk["async_block"] / r0["memcpy_state"],
+            "reshard_vs_same_load": re_resharded / re_same,
+            "async_peak_rss_vs_state_plus_1.1_share": worst_rss,
+        },
+        "targets": {
+            "save": 0.8,
+            "load": 0.8,
+            "async_block": 0.25,
+            "async_block_vs_memcpy": 1.5,
+            "reshard_vs_same_load": 1.3,
+            "async_peak_rss_vs_state_plus_1.1_share": 1.0,
+        },
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
