@@ -295,7 +295,10 @@ class CheckpointManager:
             return
         with self._lock:
             self._metrics[step] = metrics
-            self._retention_futures.append(self._retention.submit(self._retain))
+            try:
+                self._retention_futures.append(self._retention.submit(self._retain))
+            except RuntimeError:  # interpreter exiting: the next start's pass will do it
+                log.debug("retention pass after step %d skipped: shutting down", step)
 
     def _retain(self) -> None:
         """One retention pass over storage (coordinator, retention thread)."""

@@ -7,6 +7,7 @@ import signal
 
 import torch
 from harness import run_ranks
+from s3_server import LoopbackS3
 
 STEPS, INTERRUPT_AT = 12, 7
 
@@ -53,7 +54,7 @@ def _run(root, start, stop, mgr_kwargs, restore):
     return model, mgr
 
 
-def _body(tmp):
+def _body(tmp, s3_opts):
     import torch.distributed as dist
 
     from shardkit.checkpoint import CheckpointManager
@@ -101,12 +102,37 @@ def _body(tmp):
     mgr.restore(7, restored)
     out["pre_w"] = restored["w"].tolist()
     mgr.close()
-    out["handler_restored"] = signal.getsignal(signal.SIGTERM) is not None
+    out["handler_restored"] = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    # 3. Resharding restore through the loopback S3 server: saved sharded on dim 0,
+    #    restored sharded on dim 1 and replicated; retention on S3.
+    import shardkit.spmd as xs
+
+    mesh = xs.Mesh([0, 1], (2,), ("x",))
+    full = torch.arange(24.0).reshape(4, 6)
+    mgr = CheckpointManager(
+        "s3://ckpt/run", 1, max_to_keep=2, chkpt_on_preemption=False, storage_options=s3_opts
+    )
+    for step in range(4):
+        mgr.save_async(step, {"t": xs.mark_sharding(full + step, mesh, ("x", None))})
+    mgr.join()
+    out["s3_steps"] = mgr.all_steps()
+    target = {"t": xs.mark_sharding(torch.zeros(4, 6), mesh, (None, "x"))}
+    mgr.restore(3, target)
+    out["s3_sharded_ok"] = torch.equal(target["t"].full_tensor(), full + 3)
+    plain = {"t": torch.zeros(4, 6)}
+    mgr.restore(2, plain)
+    out["s3_plain_ok"] = torch.equal(plain["t"], full + 2)
+    mgr.close()
     return out
 
 
 def test_manager_on_two_ranks(tmp_path):
-    res = run_ranks(_body, 2, str(tmp_path), timeout=120)
+    with LoopbackS3() as s3:
+        s3.make_bucket("ckpt")
+        res = run_ranks(_body, 2, str(tmp_path), s3.storage_options, timeout=120)
+        listed = sorted(p.rsplit("/", 1)[-1] for p in s3.filesystem().ls("ckpt/run"))
+    assert listed == ["step_00000002", "step_00000003"]
     for r in res:
         assert r["equal"], "resumed run differs from the uninterrupted run"
         assert r["incomplete_removed"]
@@ -115,4 +141,6 @@ def test_manager_on_two_ranks(tmp_path):
         assert r["pre_reached"] == 7
         assert r["pre_steps"] == [0, 5, 7]
         assert r["pre_w"] == [7.0] * 4
+        assert r["handler_restored"]
+        assert r["s3_steps"] == [2, 3] and r["s3_sharded_ok"] and r["s3_plain_ok"]
     assert res[0]["steps"] == res[1]["steps"]
