@@ -1,6 +1,6 @@
 """SPMD sharding: meshes, partition specs and ShardedTensor (``import shardkit.spmd as xs``)."""
 
-from . import layout
+from . import _rules, layout  # noqa: F401  (_rules registers the sharding rules)
 from ._comm import CollectiveCounts, count_collectives
 from ._dispatch import fallback_counts, register_rule, reset_fallback_counts
 from ._mesh import Mesh

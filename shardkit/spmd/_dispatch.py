@@ -26,6 +26,8 @@ aten = torch.ops.aten
 
 Rule = Callable[[object, tuple, dict], object]
 _RULES: dict[object, Rule] = {}
+#: (predicate(func), rule) pairs consulted, in order, for ops with no registered rule.
+_CLASS_RULES: list[tuple[Callable[[object], bool], Rule]] = []
 _FALLBACK_COUNTS: Counter = Counter()
 _LOGGED: set[str] = set()
 
@@ -42,6 +44,23 @@ def register_rule(*ops) -> Callable[[Rule], Rule]:
         return rule
 
     return decorate
+
+
+def register_class_rule(predicate: Callable[[object], bool], rule: Rule) -> None:
+    """Use ``rule`` for every op without its own rule for which ``predicate(func)`` holds
+    (for example all ops tagged pointwise)."""
+    _CLASS_RULES.append((predicate, rule))
+
+
+def _rule_for(func) -> Rule | None:
+    rule = _RULES.get(func) or _RULES.get(func.overloadpacket)
+    if rule is None:
+        for predicate, candidate in _CLASS_RULES:
+            if predicate(func):
+                rule = candidate
+                break
+        _RULES[func] = rule
+    return rule
 
 
 def fallback_counts() -> Counter:
@@ -61,7 +80,7 @@ def _sharded_type():
 
 
 def dispatch(func, args: tuple, kwargs: dict):
-    rule = _RULES.get(func) or _RULES.get(func.overloadpacket)
+    rule = _RULES[func] if func in _RULES else _rule_for(func)
     if rule is not None:
         out = rule(func, args, kwargs)
         if out is not NotImplemented:

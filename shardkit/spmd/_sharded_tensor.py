@@ -12,7 +12,7 @@ from ._placement import Placement
 from ._redistribute import redistribute_local
 from .layout import Box, PartitionSpec
 
-__all__ = ["ShardedTensor", "mark_sharding", "clear_sharding"]
+__all__ = ["ShardedTensor", "mark_sharding", "clear_sharding", "keep_grad_placement"]
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -203,9 +203,32 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     placement = Placement.from_user(mesh, partition_spec, t.ndim)
     if t.is_leaf:
         local = t.detach()[placement.box(t.shape).slices()].clone()
-        return ShardedTensor(local, placement, t.shape, requires_grad=t.requires_grad)
+        st = ShardedTensor(local, placement, t.shape, requires_grad=t.requires_grad)
+        if isinstance(t, torch.nn.Parameter):
+            st = torch.nn.Parameter(st, requires_grad=t.requires_grad)
+        if st.requires_grad:
+            keep_grad_placement(st)
+        return st
     replicated = _FromLocal.apply(t, Placement.replicated(mesh, t.ndim), tuple(t.shape))
     return _Redistribute.apply(replicated, placement)
+
+
+def keep_grad_placement(param: ShardedTensor) -> None:
+    """Make ``param.grad`` always come back with ``param``'s placement.
+
+    Rules pick each gradient's placement by cost, so a gradient may arrive, for example,
+    as a sum still pending over the data axis; this post-accumulate hook resolves it and
+    lays it out like the parameter, which is what optimizers and checkpoints expect.
+    """
+
+    def hook(p: torch.Tensor) -> None:
+        grad = p.grad
+        target = p._placement.without_partial()
+        if isinstance(grad, ShardedTensor) and grad._placement != target:
+            local = redistribute_local(grad._local_tensor, grad.shape, grad._placement, target)
+            p.grad = ShardedTensor(local, target, grad.shape)
+
+    param.register_post_accumulate_grad_hook(hook)
 
 
 def clear_sharding(st: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,232 @@
+"""Rules for neural-network ops: softmax / log_softmax, layer_norm, embedding, dropout
+and the negative log-likelihood behind cross_entropy (rms_norm decomposes into
+pointwise ops and a mean, which have their own rules).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _comm
+from .._dispatch import register_rule
+from ._common import Placement, is_st, local_under, move_cost, norm_dim, wrap
+
+aten = torch.ops.aten
+
+
+def _mesh(*xs):
+    return next(x for x in xs if is_st(x))._placement.mesh
+
+
+def _spec_of(x):
+    return x._placement.spec if is_st(x) else ((),) * x.ndim
+
+
+def _unshard(spec, dims):
+    return tuple(() if d in dims else a for d, a in enumerate(spec))
+
+
+def _replicated(x, mesh):
+    if x is None or not isinstance(x, torch.Tensor):
+        return x
+    return local_under(x, Placement.replicated(mesh, x.ndim))
+
+
+# -- softmax ----------------------------------------------------------------------------
+@register_rule(aten._softmax.default, aten._log_softmax.default)
+def _softmax(func, args, kwargs):
+    st, dim = args[0], norm_dim(args[1], args[0].ndim)
+    p = st._placement
+    req = Placement(p.mesh, _unshard(p.spec, {dim}))
+    return wrap(func(local_under(st, req), dim, *args[2:]), req, st.shape)
+
+
+@register_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def _softmax_backward(func, args, kwargs):
+    grad, output, dim = args[0], args[1], norm_dim(args[2], args[1].ndim)
+    mesh = _mesh(grad, output)
+    options = [_unshard(_spec_of(x), {dim}) for x in (grad, output)]
+    req = min(
+        (Placement(mesh, s) for s in options),
+        key=lambda r: move_cost(grad, r) + move_cost(output, r),
+    )
+    local = func(local_under(grad, req), local_under(output, req), dim, *args[3:])
+    return wrap(local, req, grad.shape)
+
+
+# -- layer norm -------------------------------------------------------------------------
+@register_rule(aten.native_layer_norm.default)
+def _layer_norm(func, args, kwargs):
+    x, normalized, weight, bias, eps = args
+    mesh = _mesh(x, weight, bias)
+    lead = x.ndim - len(normalized)
+    spec = _unshard(_spec_of(x), set(range(lead, x.ndim)))
+    req = Placement(mesh, spec)
+    out, mean, rstd = func(
+        local_under(x, req), normalized, _replicated(weight, mesh), _replicated(bias, mesh), eps
+    )
+    stat_shape = tuple(x.shape[:lead]) + (1,) * len(normalized)
+    return (
+        wrap(out, req, x.shape),
+        wrap(mean, req, stat_shape),
+        wrap(rstd, req, stat_shape),
+    )
+
+
+@register_rule(aten.native_layer_norm_backward.default)
+def _layer_norm_backward(func, args, kwargs):
+    grad, x, normalized, mean, rstd, weight, bias, mask = args
+    mesh = _mesh(grad, x, mean, rstd, weight, bias)
+    lead = x.ndim - len(normalized)
+    norm_dims = set(range(lead, x.ndim))
+    options = [_unshard(_spec_of(t), norm_dims) for t in (x, grad)]
+    req = min(
+        (Placement(mesh, s) for s in options),
+        key=lambda r: move_cost(x, r) + move_cost(grad, r),
+    )
+    stat_shape = tuple(x.shape[:lead]) + (1,) * len(normalized)
+    gi, gw, gb = func(
+        local_under(grad, req),
+        local_under(x, req),
+        normalized,
+        local_under(mean, req) if stat_shape else mean,
+        local_under(rstd, req) if stat_shape else rstd,
+        _replicated(weight, mesh),
+        _replicated(bias, mesh),
+        mask,
+    )
+    # every rank saw only its rows: weight / bias gradients are sums pending over them
+    partial = tuple((a, "sum") for axes in req.spec for a in axes)
+    param = Placement(mesh, ((),) * len(normalized), partial)
+    shape = tuple(normalized)
+    return (
+        wrap(gi, req, x.shape) if gi is not None else None,
+        wrap(gw, param, shape) if gw is not None else None,
+        wrap(gb, param, shape) if gb is not None else None,
+    )
+
+
+# -- embedding --------------------------------------------------------------------------
+@register_rule(aten.embedding.default)
+def _embedding(func, args, kwargs):
+    weight, indices = args[0], args[1]
+    padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+    mesh = _mesh(weight, indices)
+    w_spec = _spec_of(weight)
+    vocab_axes, dim_axes = w_spec
+    w_req = Placement(mesh, w_spec)
+    used = set(vocab_axes) | set(dim_axes)
+    i_spec = tuple(tuple(a for a in axes if a not in used) for axes in _spec_of(indices))
+    i_req = Placement(mesh, i_spec)
+    local_w = local_under(weight, w_req)
+    local_i = local_under(indices, i_req)
+    out_shape = tuple(indices.shape) + (weight.shape[1],)
+    if not vocab_axes:
+        local = func(local_w, local_i, *args[2:], **kwargs)
+        return wrap(local, Placement(mesh, i_spec + (dim_axes,)), out_shape)
+    # vocabulary-parallel: each rank looks up the rows it owns; the rest read zero and the
+    # result is a sum pending over the vocabulary axes
+    lo, size = w_req.box(weight.shape).offsets[0], local_w.shape[0]
+    outside = (local_i < lo) | (local_i >= lo + size)
+    shifted = (local_i - lo).clamp(0, max(size - 1, 0))
+    if size == 0:
+        local = local_w.new_zeros(tuple(local_i.shape) + (local_w.shape[1],))
+    else:
+        local = func(local_w, shifted).masked_fill(outside.unsqueeze(-1), 0)
+    if padding_idx is not None and padding_idx >= 0:
+        local = local.masked_fill((local_i == padding_idx).unsqueeze(-1), 0)
+    partial = tuple((a, "sum") for a in vocab_axes)
+    return wrap(local, Placement(mesh, i_spec + (dim_axes,), partial), out_shape)
+
+
+@register_rule(aten.embedding_dense_backward.default)
+def _embedding_backward(func, args, kwargs):
+    grad, indices, num_weights, padding_idx, scale_by_freq = args
+    mesh = _mesh(grad, indices)
+    g_spec = _spec_of(grad)
+    dim_axes = g_spec[-1]
+    i_spec = tuple(tuple(a for a in axes if a not in dim_axes) for axes in g_spec[:-1])
+    if scale_by_freq and any(i_spec):
+        return NotImplemented
+    req_g = Placement(mesh, i_spec + (dim_axes,))
+    req_i = Placement(mesh, i_spec)
+    local = func(local_under(grad, req_g), local_under(indices, req_i), *args[2:])
+    partial = tuple((a, "sum") for axes in i_spec for a in axes)
+    out = Placement(mesh, ((), dim_axes), partial)
+    return wrap(local, out, (num_weights, grad.shape[-1]))
+
+
+# -- dropout ----------------------------------------------------------------------------
+@register_rule(aten.native_dropout.default)
+def _native_dropout(func, args, kwargs):
+    """Draw the full-size mask exactly as one device would, keep this shard's slice."""
+    st, p_drop, train = args[0], args[1], args[2]
+    placement = st._placement.without_partial()
+    local = local_under(st, placement)
+    if train is False:
+        out, mask = func(local, p_drop, train)
+        return wrap(out, placement, st.shape), wrap(mask, placement, st.shape)
+    ones = torch.ones(st.shape, dtype=st.dtype, device=local.device)
+    _, full_mask = func(ones, p_drop, train)
+    mask = full_mask[placement.box(st.shape).slices()].clone()
+    scale = 0.0 if p_drop >= 1 else 1.0 / (1.0 - p_drop)
+    out = local * mask * scale
+    return wrap(out, placement, st.shape), wrap(mask, placement, st.shape)
+
+
+# -- negative log-likelihood --------------------------------------------------------------
+def _nll_placements(x, target):
+    mesh = _mesh(x, target)
+    batch_axes = _spec_of(x)[0] if x.ndim == 2 else ()
+    if not batch_axes and is_st(target) and target.ndim == 1:
+        batch_axes = target._placement.spec[0]
+    x_spec = (batch_axes, ()) if x.ndim == 2 else ((),)
+    return mesh, batch_axes, Placement(mesh, x_spec), Placement(mesh, (batch_axes,) * target.ndim)
+
+
+@register_rule(aten.nll_loss_forward.default)
+def _nll_forward(func, args, kwargs):
+    x, target, weight, reduction, ignore_index = args
+    mesh, axes, x_req, t_req = _nll_placements(x, target)
+    lx, lt, lw = local_under(x, x_req), local_under(target, t_req), _replicated(weight, mesh)
+    if not axes:
+        out, total = func(lx, lt, lw, reduction, ignore_index)
+        rep = Placement.replicated(mesh, 0)
+        return wrap(out, Placement.replicated(mesh, out.ndim), out.shape), wrap(total, rep, ())
+    if reduction == 0:  # none: one loss per (sharded) row
+        out, total = func(lx, lt, lw, reduction, ignore_index)
+        return (
+            wrap(out, Placement(mesh, (axes,)), target.shape),
+            wrap(total, Placement.replicated(mesh, 0), ()),
+        )
+    out, _ = func(lx, lt, lw, 2, ignore_index)  # this shard's summed loss
+    valid = lt != ignore_index
+    if lw is None:
+        total = valid.sum().to(lx.dtype)
+    else:
+        total = (lw[lt.clamp(min=0)] * valid).sum().to(lx.dtype)
+    _comm.all_reduce(total, mesh, sorted(axes), "sum")
+    if reduction == 1:  # mean over the global weight
+        out = out / total
+    partial = tuple((a, "sum") for a in axes)
+    return (
+        wrap(out, Placement(mesh, (), partial), ()),
+        wrap(total, Placement.replicated(mesh, 0), ()),
+    )
+
+
+@register_rule(aten.nll_loss_backward.default)
+def _nll_backward(func, args, kwargs):
+    grad, x, target, weight, reduction, ignore_index, total = args
+    mesh, axes, x_req, t_req = _nll_placements(x, target)
+    g_req = Placement(mesh, (axes,) if grad.ndim == 1 else ((),) * grad.ndim)
+    local = func(
+        local_under(grad, g_req) if isinstance(grad, torch.Tensor) else grad,
+        local_under(x, x_req),
+        local_under(target, t_req),
+        _replicated(weight, mesh),
+        reduction,
+        ignore_index,
+        _replicated(total, mesh),
+    )
+    return wrap(local, x_req, x.shape)

@@ -1,0 +1,263 @@
+"""Rules for pointwise ops (with broadcasting, scalars, in-place) and tensor factories.
+
+The output takes the sharding of one of its inputs (ranked by the bytes the others
+must move to line up with it). Pending sums survive linear ops: ``P + P``, ``P * c``,
+``-P``; ``P + c`` adds ``c`` on the partial axes' leader only, so it stays pending.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .._dispatch import register_rule
+from ._common import (
+    Placement,
+    is_partial_leader,
+    is_st,
+    local_under,
+    move_cost,
+    resolve_inplace,
+    wrap,
+)
+
+aten = torch.ops.aten
+
+_ADD = {"add", "sub"}
+_MUL = {"mul", "div"}
+_UNARY_LINEAR = {"neg", "positive"}
+
+
+def is_inplace(func) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def _aligned(shape, out_shape, spec) -> tuple:
+    """The spec an input of ``shape`` needs so it broadcasts onto an output with ``spec``."""
+    off = len(out_shape) - len(shape)
+    return tuple(spec[i + off] if shape[i] == out_shape[i + off] else () for i in range(len(shape)))
+
+
+def _candidate(st, out_shape) -> tuple:
+    off = len(out_shape) - st.ndim
+    spec = [()] * len(out_shape)
+    for i, axes in enumerate(st._placement.spec):
+        if st.shape[i] == out_shape[i + off]:
+            spec[i + off] = axes
+    return tuple(spec)
+
+
+def _plan(func, sts, out_spec, first) -> tuple[tuple, bool]:
+    """Output partial axes for ``out_spec`` and whether non-partial terms go to the leader."""
+    base = func.overloadpacket.__name__.rstrip("_")
+    partials = {st._placement.partial for st in sts if st._placement.partial}
+    used = {a for axes in out_spec for a in axes}
+    if len(partials) != 1:
+        return (), False
+    (partial,) = partials
+    if any(op != "sum" for _, op in partial) or any(a in used for a, _ in partial):
+        return (), False
+    holders = [st for st in sts if st._placement.partial]
+    if base in _ADD:
+        return partial, True
+    if base in _MUL and len(holders) == 1 and (base == "mul" or holders[0] is first):
+        return partial, False
+    if base in _UNARY_LINEAR and len(sts) == 1:
+        return partial, False
+    return (), False
+
+
+def pointwise_rule(func, args, kwargs):
+    if "out" in kwargs:
+        return NotImplemented
+    flat, tree = tree_flatten((args, kwargs))
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    sts = [x for x in tensors if is_st(x)]
+    mesh = sts[0]._placement.mesh
+    if any(st._placement.mesh != mesh for st in sts):
+        return NotImplemented
+    out_shape = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
+    inplace = is_inplace(func)
+    first = args[0]
+    if inplace:
+        if not is_st(first) or tuple(first.shape) != out_shape:
+            return NotImplemented
+        candidates = [first._placement.spec]
+    else:
+        candidates = []
+        for st in sts:
+            c = _candidate(st, out_shape)
+            if c not in candidates:
+                candidates.append(c)
+        replicated = ((),) * len(out_shape)
+        if replicated not in candidates:
+            candidates.append(replicated)
+
+    best = None
+    for spec in candidates:
+        partial, leader_only = _plan(func, sts, spec, first)
+        reqs = []
+        cost = 0
+        for st in sts:
+            keep = st._placement.partial if partial and st._placement.partial else ()
+            req = Placement(mesh, _aligned(st.shape, out_shape, spec), keep)
+            reqs.append(req)
+            cost += move_cost(st, req)
+        if best is None or cost < best[0]:
+            best = (cost, spec, partial, leader_only, reqs)
+    _, spec, partial, leader_only, reqs = best
+    out_placement = Placement(mesh, spec, partial)
+    if inplace and first._placement.partial and not partial:
+        resolve_inplace(first)
+        reqs[sts.index(first)] = first._placement
+    zero_others = leader_only and not is_partial_leader(out_placement)
+
+    req_of = {id(st): req for st, req in zip(sts, reqs)}
+    num_positional = len(tree_flatten(args)[0])
+    local_flat = []
+    for index, x in enumerate(flat):
+        if is_st(x):
+            value = local_under(x, req_of[id(x)])
+            if zero_others and not x._placement.partial:
+                value = torch.zeros_like(value)
+        elif isinstance(x, torch.Tensor):
+            value = local_under(x, Placement(mesh, _aligned(x.shape, out_shape, spec)))
+            if zero_others:
+                value = torch.zeros_like(value)
+        elif (
+            zero_others
+            and index < num_positional
+            and isinstance(x, (int, float, complex))
+            and not isinstance(x, bool)
+        ):
+            value = 0
+        else:
+            value = x
+        local_flat.append(value)
+    l_args, l_kwargs = tree_unflatten(local_flat, tree)
+    out = func(*l_args, **l_kwargs)
+    if inplace:
+        first._placement = out_placement
+        return first
+    if isinstance(out, torch.Tensor):
+        return wrap(out, out_placement, out_shape)
+    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+        return type(out)(wrap(o, out_placement, out_shape) for o in out)
+    return NotImplemented
+
+
+# -- factories and fills -------------------------------------------------------------
+@register_rule(
+    aten.empty_like.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+)
+def _like(func, args, kwargs):
+    st = args[0]
+    placement = st._placement.without_partial()
+    return wrap(func(st._local_tensor, *args[1:], **kwargs), placement, st.shape)
+
+
+@register_rule(aten.rand_like.default, aten.randn_like.default)
+def _random_like(func, args, kwargs):
+    """Draw the full tensor (as one device would, same generator) and keep this shard."""
+    st = args[0]
+    placement = st._placement.without_partial()
+    full = func(torch.empty(st.shape, dtype=st.dtype, device=st._local_tensor.device), **kwargs)
+    return wrap(full[placement.box(st.shape).slices()].clone(), placement, st.shape)
+
+
+@register_rule(
+    aten.bernoulli_.float,
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.exponential_.default,
+    aten.random_.default,
+    getattr(aten.random_, "from"),
+    aten.random_.to,
+)
+def _random_fill(func, args, kwargs):
+    """In-place random fill: draw the full tensor and keep this shard, so every shard is
+    the slice single-device torch would draw with the same seed."""
+    st = args[0]
+    placement = st._placement.without_partial()
+    full = torch.empty(st.shape, dtype=st.dtype, device=st._local_tensor.device)
+    func(full, *args[1:], **kwargs)
+    st._local_tensor = full[placement.box(st.shape).slices()].clone()
+    st._placement = placement
+    return st
+
+
+@register_rule(aten.fill_.Scalar, aten.zero_.default)
+def _fill(func, args, kwargs):
+    st = args[0]
+    st._placement = st._placement.without_partial()
+    func(st._local_tensor, *args[1:], **kwargs)
+    return st
+
+
+@register_rule(
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty_strided.default,
+)
+def _new(func, args, kwargs):
+    st, size = args[0], tuple(int(s) for s in args[1])
+    mesh = st._placement.mesh
+    if size == tuple(st.shape):
+        placement = st._placement.without_partial()
+    else:
+        placement = Placement.replicated(mesh, len(size))
+    local_size = placement.box(size).sizes
+    rest = list(args[2:])
+    if func is aten.new_empty_strided.default:
+        strides, acc = [], 1
+        for s in reversed(local_size):
+            strides.append(acc)
+            acc *= max(s, 1)
+        rest[0] = tuple(reversed(strides))
+    return wrap(func(st._local_tensor, local_size, *rest, **kwargs), placement, size)
+
+
+@register_rule(aten.copy_.default)
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not is_st(dst):
+        return NotImplemented
+    placement = dst._placement.without_partial()
+    if dst._placement.partial:
+        dst._local_tensor = dst._local_tensor.clone()
+    dst._placement = placement
+    value = local_under(src, placement) if isinstance(src, torch.Tensor) else src
+    func(dst._local_tensor, value, *args[2:], **kwargs)
+    return dst
+
+
+@register_rule(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    st = args[0]
+    placement = st._placement
+    dtype = kwargs.get("dtype")
+    if (
+        placement.partial
+        and dtype is not None
+        and not (dtype.is_floating_point and st.is_floating_point())
+    ):
+        placement = placement.without_partial()
+    local = local_under(st, placement)
+    return wrap(func(local, *args[1:], **kwargs), placement, st.shape)
+
+
+@register_rule(aten._local_scalar_dense.default)
+def _item(func, args, kwargs):
+    st = args[0]
+    return func(local_under(st, Placement.replicated(st._placement.mesh, st.ndim)))
+
+
+@register_rule(aten.lift_fresh.default)
+def _lift(func, args, kwargs):
+    return args[0]

@@ -1,0 +1,82 @@
+"""SPMD sharding rules on real ranks: the op matrix (forward and backward vs torch on a
+2x2 mesh with uneven shapes), optimizer steps, MLP communication and fallback ops.
+
+Everything runs in two 4-rank launches and one single-process launch (module fixtures);
+the parametrized tests then check each case's result.
+"""
+
+import pytest
+from harness import run_ranks
+from test_spmd_rules_cases import (
+    CASES,
+    run_cases,
+    run_fallback_ops,
+    run_mlp_comm,
+    run_optimizers,
+)
+
+TOL = 1e-4
+
+
+def _four_rank_checks():
+    cases, fallbacks = run_cases(list(CASES))
+    return cases, fallbacks, run_optimizers(), run_mlp_comm(), run_fallback_ops()
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    results = run_ranks(_four_rank_checks, 4, timeout=240)
+    assert all(r[0] == results[0][0] for r in results), "ranks disagree on the op matrix"
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return run_ranks(run_cases, 1, list(CASES), (1, 1), timeout=120)[0]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_matrix_2x2(four_ranks, name):
+    result = four_ranks[0][name]
+    assert isinstance(result, tuple), result
+    fwd, grad, layout_ok, fallbacks = result
+    assert fwd < TOL, f"{name}: forward differs from torch by {fwd}"
+    assert grad < TOL, f"{name}: gradient differs from torch by {grad}"
+    assert layout_ok, f"{name}: a gradient did not come back sharded like its parameter"
+    assert fallbacks == {}, f"{name}: ran through the gather fallback: {fallbacks}"
+
+
+def test_op_matrix_single_process(one_rank):
+    cases, _ = one_rank
+    bad = {
+        k: v
+        for k, v in cases.items()
+        if not (isinstance(v, tuple) and v[0] < TOL and v[1] < TOL and v[2])
+    }
+    assert bad == {}
+
+
+def test_no_fallback_in_matrix(four_ranks):
+    assert four_ranks[1] == {}
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam_foreach", "adamw", "adam_fused"])
+def test_optimizer_steps_sharded_params_locally(four_ranks, opt):
+    err, placed, step_comm = four_ranks[2][opt]
+    assert err < 1e-5
+    assert placed
+    assert step_comm == 0, "an optimizer step communicated or fell back"
+
+
+def test_tensor_parallel_mlp_one_lazy_all_reduce(four_ranks):
+    err, lazy, resolved, resolved_bytes, local_bytes = four_ranks[3]
+    assert err < TOL
+    assert lazy == {}, f"the MLP forward communicated before its output was needed: {lazy}"
+    assert resolved == {("all_reduce", ("model",)): 1}
+    assert resolved_bytes == {("all_reduce", ("model",)): local_bytes}
+
+
+def test_fallback_ops_correct_and_counted(four_ranks):
+    checks, fallbacks = four_ranks[4]
+    assert checks == {"unique": True, "nonzero": True, "svd": True}
+    assert fallbacks == {"_unique2": 1, "nonzero": 1, "_linalg_svd": 1}
