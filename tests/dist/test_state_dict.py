@@ -1,5 +1,5 @@
 """State-dict helpers on 2 real ranks: torch DDP, torch FSDP2 (fully_shard on gloo),
-ShardedTensor parameters and the shardkit sharded-module protocol, against torch's
+ShardedTensor parameters, the shardkit sharded-module protocol and shardkit FSDP/DDP, against torch's
 ``torch.distributed.checkpoint.state_dict`` as the oracle. One launch for all checks."""
 
 import copy
@@ -250,11 +250,38 @@ def _check_protocol():
     )
 
 
+def _check_shardkit_wrappers():
+    from shardkit.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from shardkit.ddp import DistributedDataParallel as SkDDP
+    from shardkit.fsdp import FullyShardedDataParallel as SkFSDP
+
+    ref = _net(0)
+    ref_optim = torch.optim.Adam(ref.parameters(), lr=0.05)
+    model = SkFSDP(_net(0))
+    optim = torch.optim.Adam(model.parameters(), lr=0.05)
+    _train(model, optim)
+    _train(ref, ref_optim)
+    full = StateDictOptions(full_state_dict=True)
+    fmsd, fosd = get_state_dict(model, optim, options=full)
+    rmsd, rosd = get_state_dict(ref, ref_optim)
+    assert list(fmsd) == list(rmsd) and list(fosd["state"]) == list(rosd["state"])
+    for k in rmsd:
+        assert torch.allclose(fmsd[k], rmsd[k], atol=1e-6), k
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(fosd["state"][k][name], rosd["state"][k][name], atol=1e-6), k
+    ddp = SkDDP(_net(1))
+    ddp_optim = torch.optim.Adam(ddp.parameters(), lr=0.5)
+    set_state_dict(ddp, ddp_optim, model_state_dict=fmsd, optim_state_dict=copy.deepcopy(fosd))
+    _same(get_state_dict(ddp, ddp_optim)[0], fmsd, "shardkit FSDP -> shardkit DDP")
+    _same(get_state_dict(ddp, ddp_optim)[1]["state"], fosd["state"], "FSDP -> DDP optim")
+
+
 def _body():
     _check_torch_ddp()
     _check_fsdp2()
     _check_sharded_tensor_params()
     _check_protocol()
+    _check_shardkit_wrappers()
     return "ok"
 
 
