@@ -40,7 +40,16 @@ class LoopbackS3:
         self._server.start()
         host, port = self._server.get_host_and_port()
         self.endpoint_url = f"http://{host}:{port}"
+        self.reset()
         return self
+
+    def reset(self) -> None:
+        """Forget every bucket: moto's state is per process, shared by all its servers."""
+        import urllib.request
+
+        urllib.request.urlopen(
+            urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
+        ).close()
 
     @property
     def storage_options(self) -> dict:
@@ -76,6 +85,7 @@ class LoopbackS3:
 
     def stop(self) -> None:
         if self._server is not None:
+            self.reset()
             self._server.stop()
             self._server = None
 

@@ -8,9 +8,7 @@ is separate from the training group so background work can never interleave with
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import signal
 import threading
@@ -22,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ._errors import CheckpointError
+from ._manager_checks import check_metrics as _check_metrics
+from ._manager_checks import nonneg_int as _nonneg_int
+from ._manager_comm import agree_flags, broadcast_json
 from ._manager_storage import StepStore
 from ._preemption import PreemptionWatcher
 from ._retention import AnyPreservationPolicy as _Any
@@ -30,27 +31,6 @@ from ._retention import LatestN, PreservationPolicy, steps_to_delete
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger(__name__)
-
-
-def _nonneg_int(name: str, value: Any, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_metrics(metrics: Any) -> dict[str, Any] | None:
-    if metrics is None:
-        return None
-    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
-        raise TypeError(f"metrics must be a dict with str keys, got {metrics!r}")
-    try:
-        json.dumps(metrics)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"metrics must be JSON values (numbers, str, ...): {exc}") from None
-    for key, value in metrics.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"metrics[{key!r}] = {value!r} is not finite")
-    return metrics
 
 
 class CheckpointManager:
@@ -124,12 +104,15 @@ class CheckpointManager:
         self._metrics: dict[int, dict[str, Any] | None] = {}
         self._preemption_step: int | None = None
         self._closed = False
-        if self._is_coordinator:
-            removed = self._store.remove_incomplete()
-            if removed:
-                log.warning("removed incomplete step directories %s under %s", removed, self.path)
-        steps = self.all_steps()  # also the barrier: nobody saves before the cleanup ends
+        # The coordinator cleans up; the broadcast is the barrier nobody saves before.
+        removed, steps = self._coordinated("listing checkpoints", self._startup_listing)
+        if removed and self._is_coordinator:
+            log.warning("removed incomplete step directories %s under %s", removed, self.path)
         self._last_step = steps[-1] if steps else None
+
+    def _startup_listing(self) -> tuple[list[int], list[int]]:
+        removed = self._store.remove_incomplete()
+        return removed, self._store.committed_steps()
 
     # -- process groups ---------------------------------------------------------------
     def _init_groups(self, process_group, async_process_group) -> None:
@@ -163,12 +146,18 @@ class CheckpointManager:
         # group for them, never over the group it is handed.
         self._async_group = async_process_group if async_process_group is not None else group
 
-    def _broadcast(self, value):
-        if self._ctrl is None or len(self._ranks) == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, group_src=0, group=self._ctrl)
-        return box[0]
+    def _coordinated(self, what: str, fn):
+        """Run ``fn`` on the coordinator; every rank gets its result or raises its error."""
+        result = None
+        if self._is_coordinator:
+            try:
+                result = {"ok": fn()}
+            except Exception as exc:
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+        result = broadcast_json(result, self._ctrl, len(self._ranks))
+        if "error" in result:
+            raise CheckpointError(f"{what} under {self.path} failed: {result['error']}")
+        return result["ok"]
 
     # -- queries ------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -180,8 +169,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending, as the coordinator lists them (same on every rank)."""
-        steps = self._store.committed_steps() if self._is_coordinator else None
-        return self._broadcast(steps)
+        return self._coordinated("listing checkpoints", self._store.committed_steps)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -229,8 +217,16 @@ class CheckpointManager:
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         metrics = _check_metrics(metrics)
-        self._raise_errors()
-        preempted = self._agree_on_preemption() and self._preemption_step is None
+        # One collective per call: did any rank get the signal, or see a failed save?
+        # A failure is raised on every rank at the same call, after all ranks waited
+        # for their in-flight saves (the core fails a save on every rank alike).
+        signalled = self._watcher is not None and self._watcher.received()
+        with self._lock:
+            failed = bool(self._errors)
+        signalled, failed = agree_flags([signalled, failed], self._ctrl, len(self._ranks))
+        if failed:
+            self._wait_in_flight(0)
+        preempted = signalled and self._preemption_step is None
         if preempted:
             self._preemption_step = step  # every rank agreed on this very step
         due = force or preempted or step % self.save_interval == 0
@@ -248,7 +244,10 @@ class CheckpointManager:
         from . import _manager_io as io
 
         if self._is_coordinator:
-            self._store.write_metrics(step, metrics)
+            try:
+                self._store.write_metrics(step, metrics)
+            except Exception as exc:  # the save below reports a storage failure on all ranks
+                log.warning("could not record metrics of step %d: %s", step, exc)
         previous, self._last_step = self._last_step, step
         try:
             future = None if blocking else io.save_step_async(self, step, state_dict)
@@ -266,16 +265,6 @@ class CheckpointManager:
                 lambda f, s=step, m=metrics, h=handled: self._on_async_done(s, m, f, h)
             )
         return True
-
-    def _agree_on_preemption(self) -> bool:
-        if self._watcher is None:
-            return False
-        flag = self._watcher.received()
-        if self._ctrl is None or len(self._ranks) == 1:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctrl)
-        return bool(t.item())
 
     def _on_async_done(self, step: int, metrics, future: Future, handled) -> None:
         try:
@@ -301,9 +290,19 @@ class CheckpointManager:
                 log.debug("retention pass after step %d skipped: shutting down", step)
 
     def _retain(self) -> None:
-        """One retention pass over storage (coordinator, retention thread)."""
+        """One retention pass over storage (coordinator, retention thread); never raises.
+
+        A failure is logged and retried by the next pass: raising on the coordinator
+        alone would desynchronise the ranks.
+        """
         if self.preservation_policy is None:
             return
+        try:
+            self._retain_pass()
+        except Exception as exc:
+            log.warning("retention pass under %s failed: %s", self.path, exc)
+
+    def _retain_pass(self) -> None:
         committed = self._store.committed_steps()
         with self._lock:
             known = {s: self._metrics[s] for s in committed if s in self._metrics}

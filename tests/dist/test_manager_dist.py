@@ -124,6 +124,36 @@ def _body(tmp, s3_opts):
     mgr.restore(2, plain)
     out["s3_plain_ok"] = torch.equal(plain["t"], full + 2)
     mgr.close()
+
+    # 4. A background save that fails on rank 0 only raises on both ranks at the same
+    #    next call (an off-interval one), naming the step, and nothing hangs.
+    from shardkit.checkpoint import CheckpointError, _manager_io
+
+    real = _manager_io._writer
+
+    def broken(mgr, step):
+        writer = real(mgr, step)
+        if step == 2 and rank == 0:  # the coordinator's commit fails
+            writer.commit = lambda metadata: (_ for _ in ()).throw(OSError("disk full"))
+        return writer
+
+    _manager_io._writer = broken
+    try:
+        mgr = CheckpointManager(f"{tmp}/fail", 2, chkpt_on_preemption=False)
+        mgr.save_async(2, {"w": torch.ones(3)})
+        if rank == 1:  # rank 1 has seen the failure; rank 0 may not have yet
+            assert mgr._in_flight[0][2].wait(60)
+        try:
+            mgr.save_async(3, {"w": torch.ones(3)})
+            out["fail_msg"] = None
+        except CheckpointError as exc:
+            out["fail_msg"] = str(exc)
+        out["fail_steps"] = mgr.all_steps()
+        mgr.save_async(4, {"w": torch.ones(3)})
+        mgr.close()
+        out["fail_after"] = mgr.all_steps()
+    finally:
+        _manager_io._writer = real
     return out
 
 
@@ -143,4 +173,6 @@ def test_manager_on_two_ranks(tmp_path):
         assert r["pre_w"] == [7.0] * 4
         assert r["handler_restored"]
         assert r["s3_steps"] == [2, 3] and r["s3_sharded_ok"] and r["s3_plain_ok"]
+        assert r["fail_msg"] and "background save of step 2" in r["fail_msg"], r["fail_msg"]
+        assert r["fail_steps"] == [] and r["fail_after"] == [4]
     assert res[0]["steps"] == res[1]["steps"]

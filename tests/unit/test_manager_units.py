@@ -8,6 +8,7 @@ import signal
 import pytest
 import torch
 
+from shardkit.checkpoint import save
 from shardkit.checkpoint._manager_storage import StepStore, step_dir_name
 from shardkit.checkpoint._preemption import PreemptionWatcher
 from shardkit.checkpoint._prime import prime_optimizer
@@ -159,17 +160,21 @@ def test_step_store_lists_commits_cleans_and_deletes(tmp_path):
         store = StepStore(url)
         assert store.committed_steps() == []
         store.write_metrics(3, {"loss": 0.5})
-        for step in (3, 12, 100000000):
+        for step in (3, 12, 100000000, 7):
             store.fs.makedirs(f"{store.root}/{step_dir_name(step)}", exist_ok=True)
             store.fs.pipe(f"{store.root}/{step_dir_name(step)}/data.bin", b"x")
-        store.fs.pipe(f"{store.root}/{step_dir_name(3)}/metadata.json", b"{}")
-        store.fs.pipe(f"{store.root}/{step_dir_name(100000000)}/metadata.json", b"{}")
+        for step in (3, 100000000, 7):
+            save({"x": torch.ones(2)}, checkpoint_id=store.step_url(step))
+        # step 7 is committed but damaged: not listed, and not cleaned up either
+        data = [f for f in store.fs.ls(f"{store.root}/{step_dir_name(7)}", detail=False)]
+        store.fs.rm([f for f in data if f.endswith(".safetensors")])
         store.fs.pipe(f"{store.root}/notes.txt", b"kept")
-        assert store.list_step_dirs() == [3, 12, 100000000]
+        assert store.list_step_dirs() == [3, 7, 12, 100000000]
         assert store.committed_steps() == [3, 100000000]
+        assert store.has_marker(7) and not store.has_marker(12)
         assert store.step_url(3) == f"{url}/step_00000003"
         assert store.read_metrics(3) == {"loss": 0.5} and store.read_metrics(12) is None
         assert store.remove_incomplete() == [12]
         store.delete(3)
-        assert store.list_step_dirs() == [100000000]
+        assert store.list_step_dirs() == [7, 100000000]
         assert store.fs.exists(f"{store.root}/notes.txt")
