@@ -198,8 +198,9 @@ def import_torch_dcp(
 
     Only for checkpoints you trust: torch's metadata file (and any non-tensor value in the
     checkpoint) is a pickle, and reading it runs code. Tensors are read full, one at a time,
-    with torch's own reader into a temporary safetensors file next to nothing else in
-    memory, then saved with their torch keys (nested dicts as dotted keys). Non-tensor
+    with torch's own ``FileSystemReader`` (local directories only) and streamed into a
+    temporary local safetensors file, which is then saved from its memory map; keys stay
+    torch's (nested dicts as dotted keys). Non-tensor
     values must be JSON values (numbers, strings, lists, dicts), else ``TypeError`` names
     the key.
     """
@@ -208,8 +209,15 @@ def import_torch_dcp(
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    require_file(os.path.join(os.fspath(torch_dcp_dir), ".metadata"), "torch DCP metadata file")
-    reader = tdcp.FileSystemReader(os.fspath(torch_dcp_dir))
+    source = os.fspath(torch_dcp_dir)
+    if not is_local(source):
+        raise ValueError(
+            f"import_torch_dcp reads local directories only, got {source!r}; copy the torch "
+            "checkpoint to a local directory first (the shardkit output may be any URL)"
+        )
+    source = source.removeprefix("file://")
+    require_file(os.path.join(source, ".metadata"), "torch DCP metadata file")
+    reader = tdcp.FileSystemReader(source)
     md = reader.read_metadata()
     tensor_keys = [
         k for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -87,49 +88,93 @@ def _chunk_label(key: str, chunk: ChunkMeta) -> str:
     )
 
 
-def _read_item(reader: StorageReader, planner: LoadPlanner, item: ReadItem, dtype) -> None:
-    chunk, box = item.chunk, item.box
-    itemsize = dtype.itemsize
-    rb = row_bytes(chunk.box.sizes, itemsize)
-    rows = num_rows(chunk.box.sizes)
-    if box.ndim:
-        r0 = box.offsets[0] - chunk.box.offsets[0]
-        r1 = r0 + box.sizes[0]
-    else:
-        r0, r1 = 0, 1
-    b0, b1 = r0 // chunk.block_rows, math.ceil(r1 / chunk.block_rows)
-    start, stop = b0 * chunk.block_rows, min(b1 * chunk.block_rows, rows)
-    dest = planner.resolve_tensor(item)
-    direct = (
-        (start, stop) == (r0, r1)
-        and tuple(box.sizes[1:]) == tuple(chunk.box.sizes[1:])
-        and dest.device.type == "cpu"
-        and dest.is_contiguous()
-    )
-    buf = dest if direct else torch.empty((stop - start) * rb, dtype=torch.uint8)
-    view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+_scratch = threading.local()
+
+
+def _scratch_bytes(nbytes: int) -> torch.Tensor:
+    """A per-thread reusable byte buffer (fresh allocations page-fault on every load)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        _scratch.buf = buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+    return buf[:nbytes]
+
+
+def _row_views(dest: torch.Tensor) -> list[memoryview] | None:
+    """One contiguous byte view per dim-0 row of a strided CPU destination, if it has them."""
+    if dest.ndim < 2 or dest.device.type != "cpu" or not dest[0].is_contiguous():
+        return None
     try:
-        reader.read_into(chunk.file, chunk.offset + start * rb, view)
-    except (FileNotFoundError, EOFError) as exc:
-        raise CorruptCheckpointError(
-            f"cannot read {_chunk_label(item.key, chunk)}: {exc}"
-        ) from None
-    block = chunk.block_rows * rb
-    for b in range(b0, b1):
+        rows = dest.view(torch.uint8).numpy() if dest.dtype != torch.uint8 else dest.numpy()
+    except (RuntimeError, TypeError):
+        return None
+    return [memoryview(r).cast("B") for r in rows]
+
+
+def _verify(item: ReadItem, views: list[memoryview], b0: int, rows_per_view: int) -> None:
+    """Check the checksum of each block b0.. against the bytes in ``views`` (in order)."""
+    chunk = item.chunk
+    per_block = max(1, chunk.block_rows // rows_per_view) if rows_per_view else 1
+    for n, start in enumerate(range(0, len(views), per_block)):
+        b = b0 + n
         if b >= len(chunk.checksums):
             raise CorruptCheckpointError(
                 f"{_chunk_label(item.key, chunk)}: block {b} has no checksum"
             )
-        lo = (b - b0) * block
-        got = xxhash.xxh3_64_hexdigest(view[lo : lo + block])
+        h = xxhash.xxh3_64()
+        for v in views[start : start + per_block]:
+            h.update(v)
+        got = h.hexdigest()
         if got != chunk.checksums[b]:
+            rows = num_rows(chunk.box.sizes)
             raise CorruptCheckpointError(
                 f"checksum mismatch in {_chunk_label(item.key, chunk)}, rows "
                 f"{b * chunk.block_rows}..{min((b + 1) * chunk.block_rows, rows)}: "
                 f"stored {chunk.checksums[b]}, read {got}"
             )
-    if direct:
+
+
+def _read(reader: StorageReader, item: ReadItem, offset: int, views: list[memoryview]) -> None:
+    try:
+        if len(views) == 1:
+            reader.read_into(item.chunk.file, offset, views[0])
+        else:
+            reader.read_into_many(item.chunk.file, offset, views)
+    except (FileNotFoundError, EOFError) as exc:
+        raise CorruptCheckpointError(
+            f"cannot read {_chunk_label(item.key, item.chunk)}: {exc}"
+        ) from None
+
+
+def _read_item(reader: StorageReader, planner: LoadPlanner, item: ReadItem, dtype) -> None:
+    chunk, box = item.chunk, item.box
+    rb = row_bytes(chunk.box.sizes, dtype.itemsize)
+    rows = num_rows(chunk.box.sizes)
+    r0 = box.offsets[0] - chunk.box.offsets[0] if box.ndim else 0
+    r1 = r0 + box.sizes[0] if box.ndim else 1
+    b0, b1 = r0 // chunk.block_rows, math.ceil(r1 / chunk.block_rows)
+    start, stop = b0 * chunk.block_rows, min(b1 * chunk.block_rows, rows)
+    offset = chunk.offset + start * rb
+    dest = planner.resolve_tensor(item)
+    whole = (start, stop) == (r0, r1) and tuple(box.sizes[1:]) == tuple(chunk.box.sizes[1:])
+    if whole and dest.device.type == "cpu" and dest.is_contiguous():
+        # the common case: the bytes land in the caller's tensor, no extra copy
+        view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+        _read(reader, item, offset, [view])
+        block = chunk.block_rows * rb
+        _verify(
+            item, [view[i : i + block] for i in range(0, len(view), block)], b0, chunk.block_rows
+        )
         return
+    row_views = _row_views(dest) if whole and hasattr(reader, "read_into_many") else None
+    if row_views:  # strided destination rows (e.g. a column shard): scatter-read into them
+        _read(reader, item, offset, row_views)
+        _verify(item, row_views, b0, 1)
+        return
+    buf = _scratch_bytes((stop - start) * rb)
+    view = memoryview(buf.numpy())
+    _read(reader, item, offset, [view])
+    block = chunk.block_rows * rb
+    _verify(item, [view[i : i + block] for i in range(0, len(view), block)], b0, chunk.block_rows)
     src = buf.view(dtype).reshape((stop - start, *chunk.box.sizes[1:]) if box.ndim else ())
     if box.ndim:
         inner = tuple(

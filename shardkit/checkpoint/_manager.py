@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -96,6 +97,8 @@ class CheckpointManager:
         self.path = self._store.url
         self._init_groups(process_group, async_process_group)
         self._watcher = PreemptionWatcher(preemption_signal) if chkpt_on_preemption else None
+        if self._watcher is not None:  # a manager dropped without close() gives SIGTERM back
+            weakref.finalize(self, self._watcher.close)
         self._lock = threading.Lock()
         self._in_flight: deque[tuple[int, Future, threading.Event]] = deque()
         self._errors: list[BaseException] = []
@@ -356,6 +359,9 @@ class CheckpointManager:
         """
         self._check_open()
         step = self._check_step(step)
+        # No retention pass may delete the step while it is read.
+        self._wait_in_flight(0)
+        self._wait_retention()
         steps = self.all_steps()
         if step not in steps:
             raise ValueError(

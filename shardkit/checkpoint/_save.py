@@ -131,7 +131,6 @@ def _write_file(
     for item, t in zip(items, tensors):
         view = bytes_view(t)
         assert len(view) == item.nbytes, (item, len(view))
-        rows = block_rows_for(item.box.sizes, item.dtype.itemsize)
         records.append(
             {
                 "key": item.key,
@@ -143,15 +142,18 @@ def _write_file(
                 "name": _tensor_name(item),
                 "offset": pos,
                 "nbytes": item.nbytes,
-                "block_rows": rows,
-                "xxh3_64": checksum_blocks(
-                    view, rows * row_bytes(item.box.sizes, item.dtype.itemsize)
-                ),
+                "block_rows": block_rows_for(item.box.sizes, item.dtype.itemsize),
             }
         )
         parts.append(view)
         pos += item.nbytes
-    writer.write_file(name, parts)
+    # hash while the bytes go out: the write releases the GIL, xxhash does not
+    with ThreadPoolExecutor(1) as io:
+        written = io.submit(writer.write_file, name, parts)
+        for item, rec, view in zip(items, records, parts[1:]):
+            block = rec["block_rows"] * row_bytes(item.box.sizes, item.dtype.itemsize)
+            rec["xxh3_64"] = checksum_blocks(view, block)
+        written.result()
     return records, pos
 
 

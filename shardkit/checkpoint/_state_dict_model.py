@@ -10,6 +10,7 @@ from torch import nn
 
 from ._state_dict_fqn import (
     clean_key,
+    param_fqns,
     root_sharded_module,
     sharded_modules,
     under,
@@ -68,12 +69,16 @@ def _live_entries(model: nn.Module) -> tuple[dict[str, tuple[str | None, Any]], 
 
 
 def _frozen(model: nn.Module) -> set[str]:
+    """Clean FQNs of parameters with ``requires_grad=False`` (every name of a shared one)."""
     root = unwrap(model)
-    return {
+    frozen = {
         clean_key(root, raw)
         for raw, p in root.named_parameters(remove_duplicate=False)
         if not p.requires_grad
     }
+    fqns, _ = param_fqns(model)  # names sharded modules give their own parameters
+    frozen.update(fqns[id(p)] for p in root.parameters() if not p.requires_grad and id(p) in fqns)
+    return frozen
 
 
 def get_model_state_dict(

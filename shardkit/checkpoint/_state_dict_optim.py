@@ -42,18 +42,21 @@ def _params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
 def prime_state(optim: torch.optim.Optimizer) -> None:
     """Allocate an untouched optimizer's state so a checkpoint can load into it in place.
 
-    Runs one step with zero gradients and learning rate 0, then zeroes every state tensor
-    it created, which is what a fresh optimizer would start from (step 0, zero moments).
+    Runs one step at learning rate 0 (with zero gradients where a parameter has none), then
+    zeroes every state tensor it created, which is what a fresh optimizer would start from
+    (step 0, zero moments). Optimizers whose ``step`` needs a closure (LBFGS) are not
+    supported.
     """
     if optim.state:
         return
+    params = [p for p in _params(optim) if p.requires_grad]
+    if not params:
+        return
     made_grads = []
-    for p in _params(optim):
-        if p.requires_grad and p.grad is None:
+    for p in params:
+        if p.grad is None:
             p.grad = torch.zeros_like(p)
             made_grads.append(p)
-    if not made_grads:
-        return
     lrs = []
     for group in optim.param_groups:
         lrs.append(group.get("lr"))
