@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "group_info"]
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "all_reduce_flat", "group_info"]
 
 # torch >= 2.13 renamed the flat collectives; keep working on older releases.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -41,3 +41,10 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group, world: int
         out.copy_(full)
         return _Done()
     return _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_reduce_flat(tensor: torch.Tensor, group, world: int):
+    """Sum ``tensor`` over ranks in place; every rank ends with bitwise the same result."""
+    if world == 1:
+        return _Done()
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)

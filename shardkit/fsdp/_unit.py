@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._comm import all_gather_flat, reduce_scatter_flat
+from ._comm import all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from ._layout import SlotLayout, UnitLayout
 
 __all__ = ["ManagedParam", "UnitState", "GatherStats", "GATHER_STATS"]
@@ -65,16 +65,27 @@ GATHER_STATS = GatherStats()
 class _PendingReduce:
     """An in-flight gradient reduce-scatter; ``finish`` accumulates into ``.grad``."""
 
-    def __init__(self, unit, work, segment, post_div: float, source: torch.Tensor) -> None:
-        self.unit, self.work, self.segment, self.post_div = unit, work, segment, post_div
+    def __init__(self, unit, works, segment, replicated, post_div: float, source) -> None:
+        self.unit, self.works, self.post_div = unit, works, post_div
+        self.segment, self.replicated = segment, replicated
         self._source = source  # the input must outlive the collective
 
     def finish(self) -> None:
-        self.work.wait()
-        if self.post_div != 1.0:
-            self.segment.div_(self.post_div)
-        views = self.unit.grad_layout.unpack_grads(self.segment, self.unit.rank)
-        for param, view in zip(self.unit.trainable, views):
+        for work in self.works:
+            work.wait()
+        unit = self.unit
+        pairs = []
+        if unit.sharded_trainable:
+            if self.post_div != 1.0:
+                self.segment.div_(self.post_div)
+            pairs += zip(
+                unit.sharded_trainable, unit.grad_layout.unpack_grads(self.segment, unit.rank)
+            )
+        if unit.replicated_trainable:
+            if self.post_div != 1.0:
+                self.replicated.div_(self.post_div)
+            pairs += zip(unit.replicated_trainable, self.replicated.unbind())
+        for param, view in pairs:
             shard = param.shard
             if shard.grad is None:
                 shard.grad = view.to(shard.dtype, copy=True)
@@ -103,7 +114,11 @@ class UnitState:
             sum(p.layout.padded_numel for p in self.params),
         )
         self.trainable = [p for p in self.params if p.shard.requires_grad]
-        self.grad_layout = UnitLayout.build([p.layout.shape for p in self.trainable], world)
+        # 0-d parameters are replicated: an all-reduce keeps them bitwise equal on every
+        # rank (a reduce-scatter sums each rank's copy in a different order)
+        self.sharded_trainable = [p for p in self.trainable if not p.layout.replicated]
+        self.replicated_trainable = [p for p in self.trainable if p.layout.replicated]
+        self.grad_layout = UnitLayout.build([p.layout.shape for p in self.sharded_trainable], world)
         dtypes = {p.shard.dtype for p in self.params}
         if compute_dtype is None and len(dtypes) > 1:
             raise ValueError(
@@ -202,17 +217,31 @@ class UnitState:
         """Start the averaged reduce-scatter of full gradients into the shards' ``.grad``."""
         if not self.trainable:
             return None
-        full = self.full_grads(grads)
-        seg = self.grad_layout.segment_numel
-        buf = torch.empty(self.world * seg, dtype=self.reduce_dtype, device=self.device)
-        view = buf.view(self.world, seg)
-        for slot, g in zip(self.grad_layout.slots, full):
-            slot.scatter_in(view, g)
+        by_param = dict(zip(map(id, self.trainable), self.full_grads(grads)))
         # fp16 overflows easily when summed: divide first; otherwise divide the result.
-        post_div = float(self.world)
-        if self.reduce_dtype == torch.float16 and self.world > 1:
-            buf.div_(self.world)
-            post_div = 1.0
-        out = torch.empty(seg, dtype=self.reduce_dtype, device=self.device)
-        work = reduce_scatter_flat(out, buf, self.group, self.world)
-        return _PendingReduce(self, work, out, post_div, buf)
+        pre_div = self.reduce_dtype == torch.float16 and self.world > 1
+        post_div = 1.0 if pre_div else float(self.world)
+        works, out, rep, buf = [], None, None, None
+        if self.sharded_trainable:
+            seg = self.grad_layout.segment_numel
+            buf = torch.empty(self.world * seg, dtype=self.reduce_dtype, device=self.device)
+            view = buf.view(self.world, seg)
+            for slot, p in zip(self.grad_layout.slots, self.sharded_trainable):
+                slot.scatter_in(view, by_param[id(p)])
+            if pre_div:
+                buf.div_(self.world)
+            out = torch.empty(seg, dtype=self.reduce_dtype, device=self.device)
+            works.append(reduce_scatter_flat(out, buf, self.group, self.world))
+        if self.replicated_trainable:
+            rep = torch.stack(
+                [
+                    torch.zeros((), dtype=self.reduce_dtype, device=self.device)
+                    if by_param[id(p)] is None
+                    else by_param[id(p)].to(self.reduce_dtype)
+                    for p in self.replicated_trainable
+                ]
+            )
+            if pre_div:
+                rep.div_(self.world)
+            works.append(all_reduce_flat(rep, self.group, self.world))
+        return _PendingReduce(self, works, out, rep, post_div, buf)
