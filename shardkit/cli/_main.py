@@ -1,4 +1,9 @@
-"""Entry point of the ``shardkit`` console script."""
+"""Entry point of the ``shardkit`` console script: parser, dispatch and error handling.
+
+A user mistake (a missing path, a corrupt checkpoint, a wrong format) ends in one line on
+stderr, ``shardkit: error: ...``, and exit status 2, so the message is not buried under a
+traceback. ``--debug`` re-raises instead, for bug reports.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,78 @@ import sys
 
 from .._version import __version__
 
+__all__ = ["CliError", "VerifyFailed", "build_parser", "main"]
+
+EXIT_ERROR = 2
+EXIT_VERIFY_FAILED = 1
+
+
+class CliError(Exception):
+    """A user-facing command-line failure; its message is printed as one line."""
+
+
+class VerifyFailed(CliError):
+    """``shardkit ckpt verify`` found a bad checksum (exit status 1, not 2)."""
+
+
+def _add_debug(parser: argparse.ArgumentParser, top: bool) -> None:
+    # On subcommands the default is SUPPRESS so that `shardkit --debug ckpt ...` is not
+    # overwritten with False by the subparser.
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=False if top else argparse.SUPPRESS,
+        help="show the full traceback on errors",
+    )
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """The complete ``shardkit`` argument parser (``ckpt`` and ``demo`` subcommands)."""
+    from . import _ckpt, _demo
+
     parser = argparse.ArgumentParser(
         prog="shardkit",
         description="Distributed training toolkit for PyTorch: SPMD, FSDP, DDP hooks, checkpoints.",
     )
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_debug(parser, top=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    ckpt = commands.add_parser(
+        "ckpt",
+        help="list, inspect, verify, convert and diff checkpoints",
+        description="Work with checkpoints. Every PATH is a local path or an fsspec URL.",
+    )
+    _add_debug(ckpt, top=False)
+    _ckpt.add_subcommands(ckpt, lambda p: _add_debug(p, top=False))
+    demo = commands.add_parser(
+        "demo",
+        help="train, preempt, resume, consolidate and evaluate a model on N local ranks",
+        description=_demo.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_debug(demo, top=False)
+    _demo.add_arguments(demo)
     return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, FileNotFoundError) and exc.filename and str(exc.filename) not in text:
+        text = f"{text}: {exc.filename}"
+    if isinstance(exc, KeyError) and exc.args:
+        text = f"missing key {exc.args[0]!r}"
+    return " ".join(text.split())
+
+
+def _handled_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [CliError, OSError, ValueError, TypeError, KeyError]
+    try:  # the checkpoint layer's own errors (CorruptCheckpointError, ...), when present
+        from ..checkpoint import CheckpointError
+
+        errors.append(CheckpointError)
+    except ImportError:
+        pass
+    return tuple(errors)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return 0
+    if args.command == "ckpt" and getattr(args, "ckpt_command", None) is None:
+        parser.parse_args(["ckpt", "--help"])
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("shardkit: interrupted", file=sys.stderr)
+        return 130
+    except _handled_errors() as exc:
+        if args.debug:
+            raise
+        print(f"shardkit: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_VERIFY_FAILED if isinstance(exc, VerifyFailed) else EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -1,0 +1,214 @@
+"""``shardkit demo``: the main job, end to end, through torch's own launcher.
+
+Phase 1 starts N ranks with ``python -m torch.distributed.run`` (torchrun), trains, and
+halfway through rank 0 receives a real SIGTERM: the ranks agree on the step, checkpoint
+and exit. Phase 2 is a fresh torchrun that resumes from the latest step, finishes,
+consolidates the model into one safetensors file and evaluates it. The launcher then
+prints a summary from the JSON report rank 0 wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from ._main import CliError
+
+__all__ = ["DESCRIPTION", "add_arguments", "run_demo", "torchrun_command"]
+
+DESCRIPTION = __doc__.split("\n\n", 1)[1] + (
+    "\nMulti-machine: run the same command on every machine with --nnodes, --node-rank, "
+    "--master-addr, --master-port and an --out directory they all share; phase 2 uses "
+    "--master-port + 1. See docs/cli.md."
+)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the demo's options to ``parser``."""
+    parser.add_argument("--nproc", type=_positive, default=2, help="ranks per machine (2)")
+    parser.add_argument("--strategy", choices=("fsdp", "ddp", "spmd"), default="fsdp")
+    parser.add_argument(
+        "--hook", choices=("none", "fp16", "powersgd"), default="none", help="ddp comm hook"
+    )
+    parser.add_argument("--steps", type=_positive, default=300, help="training steps (300)")
+    parser.add_argument("--batch-size", type=_positive, default=64, help="global batch (64)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument("--save-every", type=_positive, default=50, help="checkpoint interval")
+    parser.add_argument(
+        "--no-preempt", action="store_true", help="skip the simulated preemption (one phase)"
+    )
+    parser.add_argument(
+        "--out", default=None, help="work directory (default: a new temporary directory)"
+    )
+    multi = parser.add_argument_group("multiple machines (passed to torchrun)")
+    multi.add_argument("--nnodes", type=_positive, default=1)
+    multi.add_argument("--node-rank", type=int, default=0)
+    multi.add_argument("--master-addr", default=None)
+    multi.add_argument("--master-port", type=int, default=None)
+    parser.set_defaults(func=run_demo)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(args: argparse.Namespace, port: int, worker_args: list[str]) -> list[str]:
+    """The ``python -m torch.distributed.run ...`` command line for one phase."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    if args.nnodes == 1:
+        endpoint = f"{args.master_addr or '127.0.0.1'}:{port}"
+        cmd += ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    else:  # static rendezvous: node ranks are the ones the user gave
+        cmd += ["--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank)]
+        cmd += ["--master-addr", args.master_addr, "--master-port", str(port)]
+    return cmd + ["-m", "shardkit.cli._demo_worker", *worker_args]
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.nnodes > 1:
+        missing = [f for f in ("master_addr", "master_port", "out") if getattr(args, f) is None]
+        if missing:
+            flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+            raise CliError(
+                f"--nnodes {args.nnodes} needs {flags}: every machine must reach node 0 and "
+                "share the --out directory"
+            )
+        if not 0 <= args.node_rank < args.nnodes:
+            raise CliError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
+    if args.hook != "none" and args.strategy != "ddp":
+        raise CliError(f"--hook {args.hook} applies to --strategy ddp only, not {args.strategy}")
+    if args.batch_size < args.nproc * args.nnodes:
+        raise CliError(
+            f"--batch-size {args.batch_size} is smaller than the number of ranks "
+            f"({args.nproc * args.nnodes})"
+        )
+
+
+def _run_phase(args, phase: int, port: int, worker_args: list[str], env: dict) -> None:
+    cmd = torchrun_command(args, port, [*worker_args, "--phase", str(phase)])
+    if args.debug:
+        print("[shardkit demo] " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        code = proc.wait()
+    finally:  # interrupted (Ctrl-C, SIGTERM): do not leave torchrun and its ranks behind
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    if code != 0:
+        raise CliError(
+            f"demo phase {phase} failed: torchrun exited with status {code} "
+            "(the failing rank's output is above)"
+        )
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def summarize(reports: list[dict], wall: float) -> str:
+    """The summary printed at the end, from the per-phase reports of rank 0."""
+    last = reports[-1]
+    steps = sum(r["steps_run"] for r in reports)
+    times = [r["step_time_s"] for r in reports if r["step_time_s"] is not None]
+    blocks = [b for r in reports for b in r["ckpt_blocking_s"]]
+    comm = sum(r["comm_bytes"] for r in reports)
+    name = last["strategy"] + (f" + {last['hook']} hook" if last["hook"] != "none" else "")
+    lines = [
+        "shardkit demo summary",
+        f"  strategy            {name}, {last['world_size']} ranks",
+    ]
+    for r in reports:
+        note = f"steps {r['start_step']}..{r['last_step']}"
+        if r["resumed_from"] is not None:
+            note += f", resumed from step {r['resumed_from']}"
+        if r["preempted_at"] is not None:
+            note += f", preempted (SIGTERM) at step {r['preempted_at']}"
+        lines.append(f"  phase {r['phase']}             {note}")
+    acc = last["accuracy"]
+    lines.append(f"  accuracy            {acc:.4f} (held-out digits)" if acc is not None else "")
+    if times:
+        lines.append(f"  step time           {1e3 * statistics.median(times):.2f} ms (median)")
+    if blocks:
+        lines.append(
+            f"  checkpoint blocking {1e3 * statistics.median(blocks):.1f} ms median, "
+            f"{1e3 * max(blocks):.1f} ms max over {len(blocks)} async saves"
+        )
+    lines.append(
+        f"  bytes communicated  {_mib(comm)} per rank in total, "
+        f"{_mib(comm / max(steps, 1))} per step (payload handed to collectives)"
+    )
+    if last.get("consolidated"):
+        lines.append(f"  consolidated        {last['consolidated']}")
+    lines.append(f"  wall time           {wall:.1f} s")
+    return "\n".join(line for line in lines if line)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run both phases and print the summary; returns the exit code."""
+    _check(args)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    began = time.perf_counter()
+    out = args.out or tempfile.mkdtemp(prefix="shardkit-demo-")
+    ckpt_dir = os.path.join(out, "checkpoints")
+    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+        raise CliError(f"{ckpt_dir} already holds checkpoints; pass an empty --out directory")
+    os.makedirs(out, exist_ok=True)
+    report = os.path.join(out, "report.jsonl")
+    if args.node_rank == 0 and os.path.exists(report):
+        os.remove(report)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # shardkit.ddp compares a str hash() across ranks when wrapping; without a shared
+    # seed every torchrun worker hashes differently (forked test ranks do not notice).
+    env.setdefault("PYTHONHASHSEED", "0")
+    if args.nnodes == 1:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    worker = [
+        *("--strategy", args.strategy, "--hook", args.hook, "--steps", str(args.steps)),
+        *("--batch-size", str(args.batch_size), "--lr", str(args.lr)),
+        *("--save-every", str(args.save_every), "--ckpt-dir", ckpt_dir),
+        *("--out-file", os.path.join(out, "model.safetensors"), "--report", report),
+    ]
+    print(f"[shardkit demo] work directory {out}", flush=True)
+    base_port = args.master_port
+    if args.no_preempt:
+        _run_phase(args, 1, base_port or _free_port(), worker, env)
+    else:
+        preempt = ["--preempt-at", str(args.steps // 2)]
+        _run_phase(args, 1, base_port or _free_port(), worker + preempt, env)
+        _run_phase(args, 2, base_port + 1 if base_port else _free_port(), worker, env)
+    if not os.path.exists(report):
+        print("[shardkit demo] done; the summary is printed on node 0", flush=True)
+        return 0
+    with open(report) as f:
+        reports = [json.loads(line) for line in f if line.strip()]
+    print(summarize(reports, time.perf_counter() - began), flush=True)
+    if reports[-1]["accuracy"] is None:
+        raise CliError("the demo finished without evaluating the model")
+    return 0

@@ -1,0 +1,179 @@
+"""The per-rank training program of ``shardkit demo`` (started by torchrun).
+
+One invocation is one phase: it resumes from the latest committed checkpoint if there is
+one, trains until ``--steps`` or until a preemption (SIGTERM) is agreed on by all ranks,
+and saves asynchronously every ``--save-every`` steps. After the last step it saves,
+consolidates the model to one safetensors file and evaluates it on the held-out split.
+Global rank 0 appends one JSON line per phase to ``--report`` for the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .. import runtime as xr
+from ._demo_ckpt import DemoCheckpoints
+from ._demo_parts import (
+    CommCounter,
+    accuracy,
+    batch_indices,
+    build_strategy,
+    load_digits_split,
+    make_mlp,
+)
+
+__all__ = ["main"]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="shardkit.cli._demo_worker")
+    p.add_argument("--strategy", default="fsdp", choices=("fsdp", "ddp", "spmd"))
+    p.add_argument("--hook", default="none", choices=("none", "fp16", "powersgd"))
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--preempt-at", type=int, default=-1, help="rank 0 SIGTERMs itself here")
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--out-file", required=True, help="consolidated safetensors file")
+    p.add_argument("--report", required=True, help="JSON lines file written by rank 0")
+    p.add_argument("--phase", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def _progress(total: int, initial: int, phase: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=f"phase {phase}",
+        unit="step",
+        disable=not enabled,
+        file=sys.stderr,
+        mininterval=0.5,
+        dynamic_ncols=True,
+    )
+
+
+def _evaluate(out_file: str, x_test, y_test) -> float:
+    from safetensors.torch import load_file
+
+    weights = load_file(out_file)
+    model = make_mlp(seed=0)
+    prefix = "model."
+    model.load_state_dict({k[len(prefix) :]: v for k, v in weights.items()})
+    return accuracy(model, x_test, y_test)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Train one phase; returns the report dict (meaningful on global rank 0)."""
+    counter = CommCounter().install()
+    xr.init()
+    rank, world = xr.global_ordinal(), xr.world_size()
+    lead = rank == 0
+    if args.batch_size < world:
+        raise ValueError(f"--batch-size {args.batch_size} is smaller than the world ({world})")
+    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
+    strategy = build_strategy(args.strategy, args.hook, make_mlp(args.seed), args.lr)
+    model, optimizer = strategy.module, strategy.optimizer
+    ckpts = DemoCheckpoints(args.ckpt_dir, args.save_every)
+
+    start = 0
+    resumed = ckpts.restore_latest(model, optimizer)
+    if resumed is not None:
+        start = resumed + 1
+        if lead:
+            print(f"[shardkit demo] resumed from step {resumed}", flush=True)
+
+    step_times, block_times, preempted_at, loss = [], [], None, float("nan")
+    bar = _progress(args.steps, start, args.phase, lead)
+    step = start - 1
+    for step in range(start, args.steps):
+        if lead and step == args.preempt_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, as a scheduler sends it
+        t0 = time.perf_counter()
+        with counter.step():
+            idx = batch_indices(step, len(y_train), args.batch_size, args.seed)
+            mine = idx.chunk(world)[rank] if world > 1 else idx
+            x, y = strategy.shard_batch(x_train[mine], y_train[mine], len(idx))
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            loss_t = F.cross_entropy(model(x), y)
+            loss_t.backward()
+            optimizer.step()
+        step_times.append(time.perf_counter() - t0)
+        if step % 10 == 0 or step == args.steps - 1:
+            loss = strategy.scalar(loss_t.detach())
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        bar.update(1)
+        preempted = ckpts.reached_preemption(step)
+        last = step == args.steps - 1
+        blocked = ckpts.save(step, model, optimizer, force=preempted or last)
+        if blocked is not None:
+            block_times.append(blocked)
+        if preempted:
+            preempted_at = step
+            break
+    bar.close()
+    ckpts.join()
+
+    report = {
+        "phase": args.phase,
+        "strategy": args.strategy,
+        "hook": args.hook,
+        "world_size": world,
+        "start_step": start,
+        "resumed_from": resumed,
+        "last_step": step,
+        "preempted_at": preempted_at,
+        "steps_run": len(step_times),
+        "step_time_s": statistics.median(step_times) if step_times else None,
+        "ckpt_blocking_s": block_times,
+        "comm_bytes": counter.bytes,
+        "comm_calls": counter.calls,
+        "final_loss": loss,
+        "accuracy": None,
+    }
+    if preempted_at is not None:
+        if lead:
+            print(
+                f"[shardkit demo] preempted (SIGTERM) at step {step}; checkpoint saved", flush=True
+            )
+    elif step == args.steps - 1 and lead:
+        ckpts.consolidate(step, args.out_file)
+        report["accuracy"] = _evaluate(args.out_file, x_test, y_test)
+        report["consolidated"] = args.out_file
+    counter.uninstall()
+    if lead:
+        with open(args.report, "a") as f:
+            f.write(json.dumps(report) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one phase of the demo on this rank."""
+    torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a rank is stuck
+    run(_parse(argv))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
