@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 
@@ -162,6 +163,12 @@ def test_preemption_signal_forces_one_off_interval_save(tmp_path):
         mgr.join()
         assert mgr.all_steps() == [10, 13]
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    # a manager dropped without close() gives the signal back too
+    mgr = CheckpointManager(str(tmp_path / "other"), 10, preemption_signal=signal.SIGUSR2)
+    assert signal.getsignal(signal.SIGUSR2) is not signal.SIG_DFL
+    del mgr
+    gc.collect()
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 
 
 @pytest.mark.parametrize(
