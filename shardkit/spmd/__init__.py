@@ -6,6 +6,7 @@ from ._dispatch import fallback_counts, register_rule, reset_fallback_counts
 from ._mesh import Mesh
 from ._placement import Placement
 from ._sharded_tensor import ShardedTensor, clear_sharding, mark_sharding
+from ._spmd_fsdp import SpmdFullyShardedDataParallel
 from .layout import Box
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "Mesh",
     "Placement",
     "ShardedTensor",
+    "SpmdFullyShardedDataParallel",
     "clear_sharding",
     "count_collectives",
     "fallback_counts",

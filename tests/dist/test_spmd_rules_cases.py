@@ -89,6 +89,14 @@ CASES = {
         [((6, 7), (D, None)), ((6,), (D,), "idx", 7)],
         lambda x, t: F.cross_entropy(x, torch.where(t == 2, -100, t), reduction="sum"),
     ),
+    "sdpa_causal": (
+        [
+            ((2, 3, 5, 4), (D, M, None, None)),
+            ((2, 3, 5, 4), (D, None, None, None)),
+            ((2, 3, 5, 4), (None, M, None, None)),
+        ],
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    ),
     # views and joins
     "view_flatten_even": ([((4, 3, 5), (D, M, None))], lambda x: x.reshape(12, 5)),
     "view_uneven": ([((5, 3, 2), (D, None, M))], lambda x: x.reshape(5, 6)),

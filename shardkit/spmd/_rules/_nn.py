@@ -230,3 +230,66 @@ def _nll_backward(func, args, kwargs):
         _replicated(total, mesh),
     )
     return wrap(local, x_req, x.shape)
+
+
+# -- attention --------------------------------------------------------------------------
+@register_rule(
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+)
+def _attention(func, args, kwargs):
+    """Attention is independent per (batch, head): those two dims keep their sharding,
+    sequence and head dims are gathered. Dropout inside attention and masks go through
+    the fallback (exact, with the single-device random stream)."""
+    backward = func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    n_tensors = 6 if backward else 3
+    tensors, rest = list(args[:n_tensors]), list(args[n_tensors:])
+    dropout_p = rest[0] if rest else kwargs.get("dropout_p", 0.0)
+    if dropout_p or kwargs.get("attn_mask") is not None:
+        return NotImplemented
+    mesh = _mesh(*tensors)
+    options = []
+    for t in tensors:
+        lead = _spec_of(t)[:2]
+        if lead not in options:
+            options.append(lead)
+    best = None
+    for lead in options:
+        reqs = [Placement(mesh, lead + ((),) * (t.ndim - 2)) for t in tensors]
+        cost = sum(move_cost(t, r) for t, r in zip(tensors, reqs))
+        if best is None or cost < best[0]:
+            best = (cost, lead, reqs)
+    _, lead, reqs = best
+    outs = func(*[local_under(t, r) for t, r in zip(tensors, reqs)], *rest, **kwargs)
+    metas = func(
+        *[torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors], *rest, **kwargs
+    )
+    return tuple(
+        wrap(o, Placement(mesh, lead + ((),) * (o.ndim - 2)), m.shape) for o, m in zip(outs, metas)
+    )
+
+
+# -- mean squared error ---------------------------------------------------------------------
+@register_rule(aten.mse_loss.default)
+def _mse(func, args, kwargs):
+    """Composed from rules (difference, square, mean/sum), so it never gathers."""
+    from .._dispatch import dispatch
+
+    x, target = args[0], args[1]
+    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    diff = dispatch(aten.sub.Tensor, (x, target), {})
+    sq = dispatch(aten.mul.Tensor, (diff, diff), {})
+    if reduction == 0:
+        return sq
+    return dispatch(aten.mean.default if reduction == 1 else aten.sum.default, (sq,), {})
+
+
+@register_rule(aten.mse_loss_backward.default)
+def _mse_backward(func, args, kwargs):
+    from .._dispatch import dispatch
+
+    grad, x, target, reduction = args
+    scale = 2.0 / x.numel() if reduction == 1 else 2.0
+    diff = dispatch(aten.sub.Tensor, (x, target), {})
+    scaled = dispatch(aten.mul.Tensor, (diff, scale), {})
+    return dispatch(aten.mul.Tensor, (scaled, grad), {})
