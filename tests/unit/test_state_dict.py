@@ -235,6 +235,18 @@ def test_priming_an_unstepped_optimizer_does_not_change_training():
         _train(b, opt_b, steps=3)
         _assert_sd_equal(a.state_dict(), b.state_dict())
 
+        # gradients already there (between backward and the first step) are kept
+        a, b = _net(0), _net(0)
+        opt_a, opt_b = make(a.parameters()), make(b.parameters())
+        for model in (a, b):
+            model(torch.ones(2, 3)).sum().backward()
+        grad = a.embed.weight.grad.clone()
+        sd = get_optimizer_state_dict(a, opt_a)
+        assert len(sd["state"]) == 6 and torch.equal(a.embed.weight.grad, grad)
+        opt_a.step()
+        opt_b.step()
+        _assert_sd_equal(a.state_dict(), b.state_dict())
+
 
 def test_multiple_optimizers_and_optimizer_errors():
     model = _net()
