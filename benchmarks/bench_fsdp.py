@@ -1,0 +1,163 @@
+"""shardkit FSDP against torch FSDP2 (``fully_shard`` per block) on the same model.
+
+Two ranks (gloo, one thread each) train the same 8-block MLP-transformer-style model
+(d=512) with Adam under each framework in turn, in fresh processes so each peak RSS is
+its own. Prints ONE JSON line: median step time, peak RSS (VmHWM) and peak RSS above the
+pre-model baseline per framework (the worst rank), and shardkit / torch ratios.
+
+    .venv/bin/python benchmarks/bench_fsdp.py            # full run
+    .venv/bin/python benchmarks/bench_fsdp.py --quick    # smoke run, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _model(blocks: int, d: int):
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(d)
+            self.up = nn.Linear(d, 4 * d)
+            self.down = nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.down(nn.functional.gelu(self.up(self.ln(x))))
+
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block() for _ in range(blocks)]), Block
+
+
+def _worker(framework, rank, world, port, cfg, queue):
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    baseline = _status_kb("VmRSS")
+    model, block_cls = _model(cfg["blocks"], cfg["d"])
+    if framework == "shardkit":
+        import functools
+
+        from shardkit.fsdp import FSDP
+        from shardkit.fsdp.wrap import transformer_auto_wrap_policy
+
+        model = FSDP(
+            model,
+            auto_wrap_policy=functools.partial(
+                transformer_auto_wrap_policy, transformer_layer_cls={block_cls}
+            ),
+        )
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        x = torch.randn(cfg["batch"], cfg["seq"], cfg["d"], generator=g)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        if step >= cfg["warmup"]:
+            times.append(time.perf_counter() - start)
+    queue.put(
+        (
+            rank,
+            dict(
+                step_s=statistics.median(times),
+                peak_rss_mb=_status_kb("VmHWM") / 1024,
+                peak_above_baseline_mb=(_status_kb("VmHWM") - baseline) / 1024,
+            ),
+        )
+    )
+    dist.destroy_process_group()
+
+
+def _run(framework: str, cfg: dict) -> dict:
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(framework, r, 2, port, cfg, queue)) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"{framework} rank failed with exit code {p.exitcode}")
+    return {k: max(r[k] for r in results.values()) for k in results[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per framework")
+    args = parser.parse_args()
+    cfg = dict(blocks=8, d=512, batch=4, seq=32, warmup=2, steps=6)
+    if args.quick:
+        cfg = dict(blocks=2, d=64, batch=2, seq=8, warmup=1, steps=2)
+        args.repeats = 1
+    runs: dict[str, list[dict]] = {"shardkit": [], "torch_fsdp2": []}
+    for _ in range(args.repeats):  # alternate, so machine noise hits both alike
+        for name in runs:
+            runs[name].append(_run("shardkit" if name == "shardkit" else "torch", cfg))
+    figures = {
+        name: {k: round(statistics.median(r[k] for r in rs), 4) for k in rs[0]}
+        for name, rs in runs.items()
+    }
+    sk, tf = figures["shardkit"], figures["torch_fsdp2"]
+    out = {
+        "benchmark": "fsdp",
+        "config": {**cfg, "ranks": 2, "threads_per_rank": 1, "repeats": args.repeats},
+        **figures,
+        "step_time_ratio": round(sk["step_s"] / tf["step_s"], 3),
+        "peak_rss_ratio": round(sk["peak_rss_mb"] / tf["peak_rss_mb"], 3),
+        "peak_above_baseline_ratio": round(
+            sk["peak_above_baseline_mb"] / max(tf["peak_above_baseline_mb"], 1e-9), 3
+        ),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
