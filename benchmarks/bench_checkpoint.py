@@ -3,7 +3,7 @@
 2 ranks (gloo, CPU), >= 1 GiB of state: DTensor shards (Shard(0)) plus plain replicated
 tensors; fsync on for both. Prints one JSON line of medians and shardkit/torch ratios.
 
-    .venv/bin/python benchmarks/bench_checkpoint.py            # 1 GiB, 3 repeats
+    .venv/bin/python benchmarks/bench_checkpoint.py            # 1 GiB, 5 repeats
     .venv/bin/python benchmarks/bench_checkpoint.py --quick    # 64 MiB smoke run
 """
 
@@ -90,8 +90,10 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     state_bytes = sum(t.numel() * t.element_size() for t in locals_)
     out: dict = {"state_bytes_rank": state_bytes}
 
-    # -- shardkit: async first, so its peak RSS is not inflated by earlier work --------------
+    # -- async first, so shardkit's peak RSS is not inflated by earlier allocations ---------
     sk = {"async_block": [], "save": [], "load": []}
+    th = {"async_block": [], "save": [], "load": []}
+    peak = 0
     for i in range(repeats + 1):
         barrier()
         _reset_peak()
@@ -99,7 +101,7 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
         fut = dcp.async_save(sd, checkpoint_id=f"{root}/sk_async")
         blocked = time.perf_counter() - t0
         md = fut.result()
-        peak = _rss("VmHWM") - base_rss
+        peak = max(peak, _rss("VmHWM") - base_rss)
         if i:  # the first call allocates the reusable staging buffer
             sk["async_block"].append(blocked)
     share = sum(
@@ -107,28 +109,31 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     )
     out["async_peak_rss_over_base"] = peak
     out["rank_share_bytes"] = share
-    for _ in range(repeats):
-        sk["save"].append(_timed(lambda: dcp.save(sd, checkpoint_id=f"{root}/sk"), barrier))
-    for _ in range(repeats):
-        sk["load"].append(_timed(lambda: dcp.load(sd, checkpoint_id=f"{root}/sk"), barrier))
 
     # -- one plain memcpy of the same bytes (preallocated, pre-touched destination) ---------
-    dst = [torch.empty_like(t) for t in locals_]
-    for d, t in zip(dst, locals_):
-        d.copy_(t)
-    memcpy = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for d, t in zip(dst, locals_):
+    flat = [t.reshape(-1).view(torch.uint8) for t in locals_]
+    src_share, left = [], share
+    for t in flat:  # the first `share` bytes of the local state
+        src_share.append(t[: min(left, t.numel())])
+        left -= src_share[-1].numel()
+    memcpy = {"state": [], "share": []}
+    for name, srcs in (("state", flat), ("share", src_share)):
+        dst = [torch.empty_like(t) for t in srcs]
+        for d, t in zip(dst, srcs):
             d.copy_(t)
-        memcpy.append(time.perf_counter() - t0)
-    del dst
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for d, t in zip(dst, srcs):
+                d.copy_(t)
+            memcpy[name].append(time.perf_counter() - t0)
+        del dst
 
-    # -- torch.distributed.checkpoint ------------------------------------------------------
-    th = {"async_block": [], "save": [], "load": []}
+    # -- save and load, shardkit and torch interleaved so both see the same conditions ------
     for _ in range(repeats):
+        sk["save"].append(_timed(lambda: dcp.save(sd, checkpoint_id=f"{root}/sk"), barrier))
         th["save"].append(_timed(lambda: tdcp.save(sd, checkpoint_id=f"{root}/th"), barrier))
     for _ in range(repeats):
+        sk["load"].append(_timed(lambda: dcp.load(sd, checkpoint_id=f"{root}/sk"), barrier))
         th["load"].append(_timed(lambda: tdcp.load(sd, checkpoint_id=f"{root}/th"), barrier))
     for i in range(repeats + 1):
         barrier()
@@ -142,7 +147,8 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     med = statistics.median
     out["shardkit"] = {k: med(v) for k, v in sk.items()}
     out["torch"] = {k: med(v) for k, v in th.items()}
-    out["memcpy_state"] = med(memcpy)
+    out["memcpy_state"] = med(memcpy["state"])
+    out["memcpy_share"] = med(memcpy["share"])
     return out
 
 
@@ -189,7 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 MiB, 1 repeat")
     parser.add_argument("--mib", type=int, default=1024, help="total state size in MiB")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
     mib, repeats = (64, 1) if args.quick else (args.mib, args.repeats)
@@ -219,13 +225,15 @@ def main() -> None:
         "fsync": True,
         "shardkit_s": sk,
         "torch_s": th,
-        "memcpy_state_s": r0["memcpy_state"],
+        "memcpy_s": {"rank_state": r0["memcpy_state"], "rank_share": r0["memcpy_share"]},
+        "bytes_rank0": {"state": r0["state_bytes_rank"], "share": r0["rank_share_bytes"]},
         "reshard_load_s": {"same_layout": re_same, "4_to_2": re_resharded},
         "ratios": {
             "save": sk["save"] / th["save"],
             "load": sk["load"] / th["load"],
             "async_block": sk["async_block"] / th["async_block"],
-            "async_block_vs_memcpy": sk["async_block"] / r0["memcpy_state"],
+            "async_block_vs_memcpy": sk["async_block"] / r0["memcpy_share"],
+            "async_block_vs_memcpy_of_whole_rank_state": sk["async_block"] / r0["memcpy_state"],
             "reshard_vs_same_load": re_resharded / re_same,
             "async_peak_rss_vs_state_plus_1.1_share": worst_rss,
         },

@@ -89,6 +89,9 @@ def _chunk_label(key: str, chunk: ChunkMeta) -> str:
 
 
 _scratch = threading.local()
+#: Scatter-read rows at least this long straight into strided destinations; shorter rows
+#: cost more in per-row Python overhead than a scratch read plus one strided copy.
+_SCATTER_MIN_ROW = 64 << 10
 
 
 def _scratch_bytes(nbytes: int) -> torch.Tensor:
@@ -103,11 +106,12 @@ def _row_views(dest: torch.Tensor) -> list[memoryview] | None:
     """One contiguous byte view per dim-0 row of a strided CPU destination, if it has them."""
     if dest.ndim < 2 or dest.device.type != "cpu" or not dest[0].is_contiguous():
         return None
-    try:
-        rows = dest.view(torch.uint8).numpy() if dest.dtype != torch.uint8 else dest.numpy()
-    except (RuntimeError, TypeError):
-        return None
-    return [memoryview(r).cast("B") for r in rows]
+    storage = torch.empty(0, dtype=torch.uint8).set_(dest.untyped_storage())
+    whole = memoryview(storage.numpy())
+    size = dest.element_size()
+    row = dest[0].numel() * size
+    first, step = dest.storage_offset() * size, dest.stride(0) * size
+    return [whole[first + i * step : first + i * step + row] for i in range(dest.shape[0])]
 
 
 def _verify(item: ReadItem, views: list[memoryview], b0: int, rows_per_view: int) -> None:
@@ -165,7 +169,8 @@ def _read_item(reader: StorageReader, planner: LoadPlanner, item: ReadItem, dtyp
             item, [view[i : i + block] for i in range(0, len(view), block)], b0, chunk.block_rows
         )
         return
-    row_views = _row_views(dest) if whole and hasattr(reader, "read_into_many") else None
+    scatter = whole and rb >= _SCATTER_MIN_ROW and hasattr(reader, "read_into_many")
+    row_views = _row_views(dest) if scatter else None
     if row_views:  # strided destination rows (e.g. a column shard): scatter-read into them
         _read(reader, item, offset, row_views)
         _verify(item, row_views, b0, 1)

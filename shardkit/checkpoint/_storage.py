@@ -165,6 +165,12 @@ class FileSystemWriter(_FileSystem):
                 pass
 
 
+def _as_bytes(buf) -> memoryview:
+    if isinstance(buf, memoryview) and buf.ndim == 1 and buf.format == "B":
+        return buf  # re-wrapping asks the exporter again, which is slow per row
+    return memoryview(buf).cast("B")
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -222,7 +228,7 @@ class FileSystemReader(_FileSystem):
         Optional for custom readers: it lets a chunk land straight in strided destination
         rows instead of going through a scratch buffer.
         """
-        views = [memoryview(o).cast("B") for o in outs]
+        views = [_as_bytes(o) for o in outs]
         total = sum(len(v) for v in views)
         if not self.local:
             data = memoryview(self.fs.cat_file(self.join(name), start=offset, end=offset + total))
