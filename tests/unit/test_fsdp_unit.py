@@ -267,3 +267,41 @@ def test_per_rank_checkpoint_consolidates(tmp_path):
     torch.save({}, rank_file_name(prefix, 3, 1))
     with pytest.raises(ValueError, match="rank-00000003-of-00000001"):
         find_rank_files(prefix, "_rank-*-of-*.pth")
+
+
+class Twice(nn.Module):
+    """One block applied twice per forward: a unit that gathers twice per iteration."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.block = Block(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.block(self.block(self.inp(x)), scale=0.5))
+
+
+@pytest.mark.parametrize("zero3", [True, False])
+def test_unit_called_twice_per_forward(zero3):
+    torch.manual_seed(0)
+    ref = Twice()
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=BLOCK_POLICY, reshard_after_forward=zero3)
+    assert isinstance(model.module.block, FSDP)
+    _train(ref)
+    _train(model)
+    got, want = _full_state(model), _full_state(ref)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0)
+
+
+def test_eval_forward_frees_every_unit_and_state_dict_works_after():
+    model = FSDP(_net(), auto_wrap_policy=BLOCK_POLICY, reshard_after_forward=False)
+    with torch.no_grad():
+        model(torch.randn(2, 5))
+    assert not any(u._state.materialized for u in _units(model))
+    keys = list(model.state_dict())
+    assert keys[0] == "module.gate" and "module.blocks.0.module.a.weight" in keys
+    meta = model.get_shard_metadata()
+    assert meta["params"]["module.blocks.0.module.a.weight"]["fqn"] == "blocks.0.a.weight"
+    assert meta["buffers"] == {"module.shift": "shift"}
