@@ -1,13 +1,20 @@
-"""Checkpointing for the demo worker (interim: torch DCP until shardkit.checkpoint lands)."""
+"""Checkpointing for the demo worker, on shardkit's CheckpointManager.
+
+The manager saves asynchronously on its own gloo group, watches SIGTERM and makes every
+rank checkpoint at the same step when any rank receives it. State dicts come from the
+state-dict helpers, so the same code serves plain, DDP, FSDP and SPMD models.
+"""
 
 from __future__ import annotations
 
 import os
-import signal
 import time
+import warnings
 
 import torch
-import torch.distributed as dist
+
+from ..checkpoint import CheckpointManager, load, prime_optimizer, read_metadata
+from ..checkpoint.state_dict import get_state_dict, set_state_dict
 
 __all__ = ["DemoCheckpoints"]
 
@@ -17,83 +24,67 @@ class DemoCheckpoints:
 
     def __init__(self, path: str, save_interval: int) -> None:
         self.path = path
-        self.save_interval = save_interval
-        self._preempted = False
-        self._pending = None
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        os.makedirs(path, exist_ok=True)
+        self.mgr = CheckpointManager(path, save_interval, max_to_keep=2)
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self._preempted = True
-
-    def _dir(self, step: int) -> str:
-        return os.path.join(self.path, str(step))
-
-    def all_steps(self) -> list[int]:
-        """Committed steps."""
-        return sorted(
-            int(n)
-            for n in os.listdir(self.path)
-            if n.isdigit() and os.path.exists(os.path.join(self.path, n, ".metadata"))
-        )
-
-    def _state(self, module, optimizer):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        if getattr(module, "_shardkit_wrapper", False):
-            module = module.module
+    def _state(self, module, optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(module, optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
     def restore_latest(self, module, optimizer) -> int | None:
         """Load the latest committed step into ``module``/``optimizer``; its number."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        steps = self.all_steps()
-        if not steps:
+        step = self.mgr.latest_step()
+        if step is None:
             return None
-        step = steps[-1]
+        prime_optimizer(optimizer)  # Adam's moments must exist to be loaded in place
         state = self._state(module, optimizer)
-        dcp.load(state, checkpoint_id=self._dir(step))
-        if getattr(module, "_shardkit_wrapper", False):
-            module = module.module
+        self.mgr.restore(step, state)
         set_state_dict(
             module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
         return step
 
-    def reached_preemption(self, step: int) -> bool:
-        """Whether any rank got SIGTERM (all ranks agree on the same step)."""
-        flag = torch.tensor([1.0 if self._preempted else 0.0])
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def save(self, step: int, module, optimizer, *, force: bool = False) -> float | None:
-        """Start an async save when due; returns the seconds the caller was blocked."""
-        import torch.distributed.checkpoint as dcp
+        """Save asynchronously when due (or forced, or preempted).
 
-        if not force and step % self.save_interval != 0:
-            return None
+        Returns the seconds the training loop was blocked, or None if nothing was saved.
+        """
         start = time.perf_counter()
-        self.join()
-        dcp.save(self._state(module, optimizer), checkpoint_id=self._dir(step))
-        return time.perf_counter() - start
+        saved = self.mgr.save_async(step, self._state(module, optimizer), force=force)
+        return time.perf_counter() - start if saved else None
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the ranks agreed on a preemption checkpoint at or before ``step``."""
+        return self.mgr.reached_preemption(step)
 
     def join(self) -> None:
-        """Wait for the pending save to commit."""
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+        """Wait until every pending save has committed."""
+        self.mgr.close()
+
+    def step_path(self, step: int) -> str:
+        """Where the manager keeps ``step`` (docs/checkpoint-manager.md, "Layout on disk")."""
+        return os.path.join(self.path, f"step_{step:08d}")
 
     def consolidate(self, step: int, out_file: str) -> None:
-        """Write the model weights of ``step`` to one safetensors file (rank 0 only)."""
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        """Write the model weights of ``step`` as full tensors to one safetensors file.
 
-        tmp = out_file + ".pt"
-        dcp_to_torch_save(self._dir(step), tmp)
-        state = torch.load(tmp, weights_only=True)
-        os.remove(tmp)
-        save_file({f"model.{k}": v.contiguous() for k, v in state["model"].items()}, out_file)
+        Keys are the unwrapped model's names (``0.weight``), so the file loads into a
+        plain ``nn.Module`` with ``load_state_dict``. Run on one rank.
+        """
+        from safetensors.torch import save_file
+
+        ckpt = self.step_path(step)
+        tensors = read_metadata(ckpt).tensors
+        model = {
+            key: torch.empty(meta.shape, dtype=meta.dtype)
+            for key, meta in tensors.items()
+            if key.startswith("model.")
+        }
+        with warnings.catch_warnings():  # the optimizer state is skipped on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            load({"model": _nest(model)}, checkpoint_id=ckpt, strict=False)
+        save_file({k.removeprefix("model."): v for k, v in model.items()}, out_file)
+
+
+def _nest(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # load() flattens {"model": {"0.weight": t}} to "model.0.weight", as save did.
+    return {k.removeprefix("model."): v for k, v in flat.items()}

@@ -33,6 +33,8 @@ _COLLECTIVES = {
     "reduce": "tensor",
     "all_gather": "tensor",
     "all_gather_into_tensor": "input_tensor",
+    "all_gather_single": "input_tensor",
+    "reduce_scatter_single": "input",
     "reduce_scatter": "input_list",
     "reduce_scatter_tensor": "input",
     "all_to_all_single": "input",

@@ -70,10 +70,8 @@ def _progress(total: int, initial: int, phase: int, enabled: bool):
 def _evaluate(out_file: str, x_test, y_test) -> float:
     from safetensors.torch import load_file
 
-    weights = load_file(out_file)
     model = make_mlp(seed=0)
-    prefix = "model."
-    model.load_state_dict({k[len(prefix) :]: v for k, v in weights.items()})
+    model.load_state_dict(load_file(out_file))
     return accuracy(model, x_test, y_test)
 
 
@@ -118,12 +116,10 @@ def run(args: argparse.Namespace) -> dict:
             loss = strategy.scalar(loss_t.detach())
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         bar.update(1)
-        preempted = ckpts.reached_preemption(step)
-        last = step == args.steps - 1
-        blocked = ckpts.save(step, model, optimizer, force=preempted or last)
+        blocked = ckpts.save(step, model, optimizer, force=step == args.steps - 1)
         if blocked is not None:
             block_times.append(blocked)
-        if preempted:
+        if ckpts.reached_preemption(step):
             preempted_at = step
             break
     bar.close()
