@@ -176,3 +176,46 @@ def test_manager_on_two_ranks(tmp_path):
         assert r["fail_msg"] and "background save of step 2" in r["fail_msg"], r["fail_msg"]
         assert r["fail_steps"] == [] and r["fail_after"] == [4]
     assert res[0]["steps"] == res[1]["steps"]
+
+
+def _body3(tmp):
+    import torch.distributed as dist
+
+    import shardkit.spmd as xs
+    from shardkit.checkpoint import CheckpointManager
+
+    rank = dist.get_rank()
+    out = {}
+    # the whole world of 3: async saves of a tensor sharded unevenly over 3 ranks
+    mesh = xs.Mesh([0, 1, 2], (3,), ("x",))
+    full = torch.arange(20.0).reshape(5, 4)
+    with CheckpointManager(f"{tmp}/w3", 2, max_to_keep=2, chkpt_on_preemption=False) as mgr:
+        for step in range(7):
+            mgr.save_async(step, {"t": xs.mark_sharding(full * step, mesh, ("x", None))})
+        mgr.join()
+        out["w3_steps"] = mgr.all_steps()
+        plain = {"t": torch.zeros(5, 4)}
+        mgr.restore(6, plain)
+        out["w3_ok"] = torch.equal(plain["t"], full * 6)
+    # a manager over a subgroup (global ranks 1 and 2): its coordinator is global rank 1
+    sub = dist.new_group([1, 2], use_local_synchronization=True) if rank else None
+    if rank:
+        with CheckpointManager(
+            f"{tmp}/sub", 1, process_group=sub, chkpt_on_preemption=False
+        ) as mgr:
+            for step in range(3):
+                mgr.save(step, {"r": torch.full((2,), float(step))})
+            out["sub_steps"] = mgr.all_steps()
+            got = {"r": torch.zeros(2)}
+            mgr.restore(1, got)
+            out["sub_ok"] = got["r"].tolist() == [1.0, 1.0]
+    dist.barrier()
+    return out
+
+
+def test_manager_on_three_ranks_and_a_subgroup(tmp_path):
+    res = run_ranks(_body3, 3, str(tmp_path), timeout=120)
+    for r in res:
+        assert r["w3_steps"] == [4, 6] and r["w3_ok"]
+    for r in res[1:]:
+        assert r["sub_steps"] == [0, 1, 2] and r["sub_ok"]
