@@ -4,6 +4,7 @@ files and checkpoints written by ``torch.distributed.checkpoint``."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from typing import Any
@@ -15,6 +16,7 @@ from ._format import decode_value, encode_value, is_json_value
 from ._format_utils_io import (
     VALUES_KEY,
     SafetensorsStreamWriter,
+    TensorArena,
     check_progress,
     checkpoint_metadata,
     is_local,
@@ -59,7 +61,7 @@ def dcp_to_torch_save(
     _refuse_objects(metadata, allow_pickle, "dcp_to_torch_save")
     out: dict[str, Any] = {}
     with progress_bar(len(metadata.keys()), "dcp_to_torch_save", progress) as bar:
-        for batch in read_full(reader, metadata, list(metadata.tensors)):
+        for batch in read_full(reader, metadata, list(metadata.tensors), reuse=False):
             out.update(batch)
             bar.update(len(batch))
         out.update(metadata.values)
@@ -137,7 +139,8 @@ def to_safetensors(
 ) -> None:
     """Write a shardkit checkpoint as one safetensors file of full tensors.
 
-    Streams: at most one batch of tensors (64 MiB, or one tensor if larger) is in memory.
+    Streams: tensors are read in batches (64 MiB, or one tensor if larger) into one reused
+    buffer, so memory stays at one batch.
     Non-tensor values go into the header's ``__metadata__`` under ``"shardkit.values"``
     as a JSON object (the checkpoint format's JSON encoding). Pickled values cannot be
     stored and raise ``ValueError`` naming them.
@@ -151,10 +154,11 @@ def to_safetensors(
     writer = SafetensorsStreamWriter(path, entries, header)
     try:
         with progress_bar(len(keys), "to_safetensors", progress) as bar:
-            for batch in read_full(reader, metadata, keys):
+            for batch in read_full(reader, metadata, keys, reuse=True):
                 for key, tensor in batch.items():
                     writer.write(key, tensor)
                 bar.update(len(batch))
+                del batch  # its buffer is reused for the next batch
     finally:
         writer.close()
 
@@ -249,10 +253,12 @@ def import_torch_dcp(
         ]
         header = {"format": "pt", VALUES_KEY: json.dumps(encode_value(values))}
         writer = SafetensorsStreamWriter(staged, entries, header)
+        largest = max((math.prod(shape) * dtype.itemsize for _, dtype, shape in entries), default=0)
+        arena = TensorArena(largest)  # one tensor's memory, whatever torch's load retains
         try:
             with progress_bar(len(tensor_keys), "import_torch_dcp", progress) as bar:
                 for key, dtype, shape in entries:
-                    one = {key: torch.empty(shape, dtype=dtype)}
+                    one = dict(zip([key], arena.carve([(shape, dtype)])))
                     read(one)
                     writer.write(key, one[key])
                     del one

@@ -29,6 +29,7 @@ __all__ = [
     "is_local",
     "require_file",
     "checkpoint_metadata",
+    "TensorArena",
     "read_full",
     "read_objects",
     "SafetensorsStreamWriter",
@@ -119,35 +120,75 @@ def checkpoint_metadata(checkpoint_id: str | os.PathLike) -> tuple[Metadata, _Ca
     return Metadata.from_json(raw, f"{os.fspath(checkpoint_id)}/metadata.json"), reader
 
 
-def _batches(metadata: Metadata, keys: Sequence[str]) -> Iterator[list[str]]:
+_ALIGN = 64
+
+
+def _padded(meta) -> int:
+    nbytes = math.prod(meta.shape) * meta.dtype.itemsize
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _batches(metadata: Metadata, keys: Sequence[str]) -> list[list[str]]:
     """Consecutive keys whose tensors together stay under max(BATCH_BYTES, one tensor)."""
-    batch: list[str] = []
+    batches: list[list[str]] = []
     size = 0
     for key in keys:
-        meta = metadata.tensors[key]
-        nbytes = math.prod(meta.shape) * meta.dtype.itemsize
-        if batch and size + nbytes > BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append(key)
+        nbytes = _padded(metadata.tensors[key])
+        if not batches or (batches[-1] and size + nbytes > BATCH_BYTES):
+            batches.append([])
+            size = 0
+        batches[-1].append(key)
         size += nbytes
-    if batch:
-        yield batch
+    return batches
+
+
+class TensorArena:
+    """One reusable byte buffer that successive batches of tensors are carved from.
+
+    Memory stays at one batch however many batches pass through, even while something
+    still references the previous batch's tensors (``load()`` keeps views of them until
+    Python's cyclic garbage collector runs).
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self._buf = torch.empty(max(nbytes, 0), dtype=torch.uint8)
+
+    def carve(self, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
+        """Fresh (uninitialized) tensors of these shapes and dtypes, overwriting the last."""
+        out, pos = [], 0
+        for shape, dtype in specs:
+            nbytes = math.prod(shape) * dtype.itemsize
+            assert pos + nbytes <= self._buf.numel(), (pos, nbytes, self._buf.numel())
+            out.append(self._buf[pos : pos + nbytes].view(dtype).reshape(tuple(shape)))
+            pos += -(-nbytes // _ALIGN) * _ALIGN
+        return out
 
 
 def read_full(
-    reader: FileSystemReader, metadata: Metadata, keys: Sequence[str]
+    reader: FileSystemReader, metadata: Metadata, keys: Sequence[str], *, reuse: bool
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Full CPU tensors for ``keys``, a batch at a time (checksums verified by load)."""
-    for batch in _batches(metadata, keys):
-        out = {
-            k: torch.empty(metadata.tensors[k].shape, dtype=metadata.tensors[k].dtype)
-            for k in batch
-        }
+    """Full CPU tensors for ``keys``, a batch at a time (checksums verified by load).
+
+    With ``reuse``, every batch lives in the same buffer: the caller must be done with a
+    batch before asking for the next.
+    """
+    batches = _batches(metadata, keys)
+    arena = None
+    if reuse and batches:
+        arena = TensorArena(max(sum(_padded(metadata.tensors[k]) for k in b) for b in batches))
+    for batch in batches:
+        specs = [(metadata.tensors[k].shape, metadata.tensors[k].dtype) for k in batch]
+        if arena is not None:
+            tensors = arena.carve(specs)
+        else:
+            tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+        out = dict(zip(batch, tensors))
+        del tensors
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"load\(strict=False\)")
             load(out, storage_reader=reader, planner=DefaultLoadPlanner(), strict=False)
         yield out
+        del out
 
 
 def read_objects(reader: FileSystemReader, keys: Sequence[str]) -> dict[str, Any]:

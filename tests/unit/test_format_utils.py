@@ -152,3 +152,18 @@ def test_errors_name_the_missing_paths_and_refuse_pickle(tmp_path):
         format_utils.torch_save_to_dcp(tmp_path / "list.pt", tmp_path / "ck")
     with pytest.raises(TypeError, match="progress"):
         format_utils.to_safetensors(tmp_path / "pickled", tmp_path / "q", progress="yes")
+
+
+def test_streaming_reads_reuse_one_buffer(tmp_path, monkeypatch):
+    state = {f"t{i}": torch.full((3, i + 1), float(i), dtype=torch.float64) for i in range(4)}
+    state["small"] = torch.arange(5, dtype=torch.int8)
+    dist_cp.save(state, checkpoint_id=tmp_path / "ck")
+    monkeypatch.setattr(_format_utils_io, "BATCH_BYTES", 1)  # one tensor per batch
+    metadata, reader = _format_utils_io.checkpoint_metadata(tmp_path / "ck")
+    pointers, seen = set(), {}
+    for batch in _format_utils_io.read_full(reader, metadata, list(metadata.tensors), reuse=True):
+        ((key, tensor),) = batch.items()
+        pointers.add(tensor.untyped_storage().data_ptr())
+        seen[key] = tensor.clone()
+    assert len(pointers) == 1  # every batch lived in the same buffer
+    _bit_equal(seen, state)
