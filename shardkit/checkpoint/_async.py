@@ -19,14 +19,19 @@ import torch.distributed as dist
 from ._comm import Comm
 from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
-from ._save import SaveJob, prepare, resolve_writer, write_and_commit
+from ._save import (
+    SaveJob,
+    prepare,
+    resolve_writer,
+    set_inflight,
+    wait_for_inflight,
+    write_and_commit,
+)
 from ._storage import StorageWriter
 
 __all__ = ["async_save"]
 
 _ALIGN = 64
-_lock = threading.Lock()
-_inflight: Future | None = None
 _groups: dict[tuple[int, ...], Any] = {}
 
 
@@ -99,15 +104,11 @@ def async_save(
         A Future whose result is the committed :class:`Metadata`; any error (on any
         rank) comes out of ``result()``.
     """
-    global _inflight
     writer = resolve_writer(checkpoint_id, storage_writer)
     planner = planner if planner is not None else DefaultSavePlanner()
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
-    with _lock:
-        previous = _inflight
-    if previous is not None:
-        previous.exception()  # wait; its error belongs to its own Future
+    wait_for_inflight()
     future: Future = Future()
     future.set_running_or_notify_cancel()
     try:
@@ -128,7 +129,6 @@ def async_save(
         else:
             future.set_result(md)
 
-    with _lock:
-        _inflight = future
+    set_inflight(future)
     threading.Thread(target=run, name="shardkit-async-save", daemon=False).start()
     return future

@@ -5,10 +5,11 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import threading
 import uuid
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,27 @@ from ._storage import FileSystemWriter, StorageWriter
 __all__ = ["save"]
 
 _OWN_PREFIXES = ("data-", "objects-", f"{METADATA_FILE}.tmp-")
+_inflight_lock = threading.Lock()
+_inflight: Future | None = None
+
+
+def set_inflight(future: Future) -> None:
+    """Record this process's running async save."""
+    global _inflight
+    with _inflight_lock:
+        _inflight = future
+
+
+def wait_for_inflight() -> None:
+    """Wait for this process's running async save, if any (its errors stay in its Future).
+
+    Saves run one at a time per process: a save's cleanup could otherwise delete the
+    files of an async save still writing into the same directory.
+    """
+    with _inflight_lock:
+        previous = _inflight
+    if previous is not None and threading.current_thread().name != "shardkit-async-save":
+        previous.exception()
 
 
 @dataclass
@@ -294,6 +316,7 @@ def save(
     planner = planner if planner is not None else DefaultSavePlanner()
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
+    wait_for_inflight()
     comm = Comm(process_group)
     job = prepare(state_dict, planner, comm, writer.thread_count)
     return write_and_commit(job, writer, comm, live_data(planner))

@@ -248,3 +248,15 @@ def test_save_overwrite_replaces_files_and_old_stays_until_commit(tmp_path):
     assert len(new_files) == 2
     dcp.load(target, checkpoint_id=tmp_path)
     assert torch.equal(target["w"], torch.full((8,), 2.0))
+
+
+def test_save_waits_for_an_async_save_into_the_same_directory(tmp_path):
+    big = {"w": torch.randn(256, 1024)}
+    fut = dcp.async_save(big, checkpoint_id=tmp_path)
+    dcp.save({"w": torch.zeros(256, 1024)}, checkpoint_id=tmp_path)  # must not delete its files
+    assert fut.done() and fut.exception() is None
+    assert dcp.is_committed(tmp_path)
+    target = {"w": torch.ones(256, 1024)}
+    dcp.load(target, checkpoint_id=tmp_path)
+    assert target["w"].eq(0).all()
+    assert len(os.listdir(tmp_path)) == 2  # the async save's files were cleaned up after
