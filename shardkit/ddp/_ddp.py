@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -106,7 +107,8 @@ class DistributedDataParallel(nn.Module):
     def _verify_same_parameters(self, params: list[torch.Tensor]) -> None:
         """Every rank must hold the same parameter shapes, or buckets would mismatch."""
         signature = [len(params), sum(p.numel() for p in params)]
-        signature.append(hash(tuple((tuple(p.shape), str(p.dtype)) for p in params)) % (2**31))
+        shapes = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
+        signature.append(zlib.crc32(shapes))  # not hash(): str hashes differ per process
         dev = params[0].device
         both = torch.tensor(signature + [-s for s in signature], dtype=torch.int64, device=dev)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
