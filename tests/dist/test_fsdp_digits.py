@@ -64,21 +64,38 @@ def _train_and_save(prefix):
             loss.backward()
             opt.step()
     acc = _accuracy(model, xte, yte)
+    path = rank_file_name(prefix, rank, world)
     torch.save(
         {
             "model": model.state_dict(),
             "shard_metadata": model.get_shard_metadata(),
             "optimizer": opt.state_dict(),
         },
-        rank_file_name(prefix, rank, world),
+        path,
     )
-    return acc, units
+    # resume on the same ranks: a fresh model and optimizer load this rank's file
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=5000)
+    fresh = FSDP(_model(), auto_wrap_policy=policy)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=3e-3)
+    ckpt = torch.load(path, weights_only=True)
+    fresh.load_state_dict(ckpt["model"])
+    fresh_opt.load_state_dict(ckpt["optimizer"])
+    resumed = _accuracy(fresh, xte, yte)
+    same_moments = all(
+        torch.equal(fresh_opt.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+        for p, q in zip(model.parameters(), fresh.parameters())
+    )
+    return acc, units, resumed, same_moments
 
 
 def test_digits_train_consolidate_and_reload(tmp_path):
     prefix = str(tmp_path / "digits")
     results = run_ranks(_train_and_save, 2, prefix, timeout=180)
-    (acc, units), (acc1, _) = results
+    (acc, units, resumed, same_moments), (acc1, *_) = results
+    assert resumed == acc and same_moments
     assert units == 3  # root (holding the small last layer) + the two big Linear layers
     assert acc == acc1 >= 0.95
     # every rank file loads without unpickling code
