@@ -87,10 +87,11 @@ def main(argv=None) -> int:
             return 0
 
     mgr.close()
+    steps = mgr.all_steps()  # a collective: every rank calls it
     with torch.no_grad():
         acc = (model(x).argmax(1) == y).float().mean().item()
     if rank == 0:
-        print(f"done: steps {mgr.all_steps()} on disk, train accuracy {acc:.3f}")
+        print(f"done: steps {steps} on disk, train accuracy {acc:.3f}")
     return 0
 
 
