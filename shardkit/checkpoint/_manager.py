@@ -151,15 +151,15 @@ class CheckpointManager:
 
     def _coordinated(self, what: str, fn):
         """Run ``fn`` on the coordinator; every rank gets its result or raises its error."""
-        result = None
+        result, cause = None, None
         if self._is_coordinator:
             try:
                 result = {"ok": fn()}
             except Exception as exc:
-                result = {"error": f"{type(exc).__name__}: {exc}"}
+                result, cause = {"error": f"{type(exc).__name__}: {exc}"}, exc
         result = broadcast_json(result, self._ctrl, len(self._ranks))
         if "error" in result:
-            raise CheckpointError(f"{what} under {self.path} failed: {result['error']}")
+            raise CheckpointError(f"{what} under {self.path} failed: {result['error']}") from cause
         return result["ok"]
 
     # -- queries ------------------------------------------------------------------------
