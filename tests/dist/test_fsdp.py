@@ -161,6 +161,9 @@ def _parity_body(names):
         results[name] = (_full(model), norms)
     if world == 2:
         results["memory"] = _memory()
+    else:  # every rank starts from other weights; sync_module_states takes rank 0's
+        torch.manual_seed(rank)
+        results["synced"] = _full(FSDP(Net(), auto_wrap_policy=POLICY, sync_module_states=True))
     return results
 
 
@@ -184,6 +187,10 @@ def test_parity_with_single_process(world):
     for name in ("zero3", "zero2", "zero3_ckpt", "no_sync"):
         if name in got:
             assert _max_err(got[name][0], ref) <= 2e-5, name
+    if world == 3:
+        initial = {k: v.numpy() for k, v in _build("net").state_dict().items()}
+        for rank_result in every_rank:
+            assert _max_err(rank_result["synced"], initial) == 0
     tied_ref, _ = _reference("tied")
     assert _max_err(got["tied"][0], tied_ref) <= 2e-5
     # the frozen parameter never moved, the tied one is one tensor under two names
