@@ -1,12 +1,317 @@
-"""``shardkit ckpt``: ls, inspect, verify, convert and diff (placeholder parser)."""
+"""``shardkit ckpt``: ls, inspect, verify, convert and diff checkpoints.
+
+Every PATH is a local path or an fsspec URL. Reads go through the public
+``shardkit.checkpoint`` API (``read_metadata``, ``load``) except ``verify``, which re-hashes
+the stored bytes itself, block by block, exactly as docs/checkpoint-format.md specifies.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable
+
+import fsspec
+
+from ._main import CliError, VerifyFailed
 
 __all__ = ["add_subcommands"]
 
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+METADATA_FILE = "metadata.json"
 
-def add_subcommands(parser: argparse.ArgumentParser, add_debug) -> None:
-    """Add the ckpt subcommands to ``parser``."""
-    parser.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
+
+def add_subcommands(parser: argparse.ArgumentParser, add_debug: Callable) -> None:
+    """Add ls / inspect / verify / convert / diff to the ``ckpt`` parser."""
+    from ._ckpt_convert import FORMATS_FROM, FORMATS_TO, cmd_convert, cmd_diff
+
+    sub = parser.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
+
+    def command(name: str, help_: str, func: Callable) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        add_debug(p)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("ls", "list the steps under a CheckpointManager directory", cmd_ls)
+    p.add_argument("path", metavar="PATH")
+    p = command(
+        "inspect", "show the keys, dtypes, shapes, chunks and sizes of a checkpoint", cmd_inspect
+    )
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--json", action="store_true", help="print the same information as JSON")
+    p = command("verify", "check every checksum of a checkpoint (exit 1 on a mismatch)", cmd_verify)
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = command(
+        "convert", "convert between shardkit, torch.save, safetensors and torch DCP", cmd_convert
+    )
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--to", choices=FORMATS_TO, help="output format (default: from DST's suffix)")
+    p.add_argument(
+        "--from", dest="from_", choices=FORMATS_FROM, help="input format (default: detected)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p = command("diff", "compare two checkpoints key by key", cmd_diff)
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--atol", type=float, default=0.0, help="ignore differences up to this (0)")
+
+
+# -- helpers ----------------------------------------------------------------------------
+def fs_and_path(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec file system and its path for a local path or URL."""
+    fs, root = fsspec.core.url_to_fs(os.fspath(path))
+    return fs, root.rstrip("/") or root
+
+
+def require_exists(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """FileNotFoundError naming ``path`` unless something is there."""
+    fs, root = fs_and_path(path)
+    if not fs.exists(root):
+        raise FileNotFoundError(f"{path} does not exist")
+    return fs, root
+
+
+def checkpoint_metadata(path: str):
+    """The parsed metadata of the shardkit checkpoint at ``path``, with a clear error."""
+    from ..checkpoint import read_metadata
+
+    fs, root = require_exists(path)
+    if not fs.isdir(root):
+        raise CliError(f"{path} is a file, not a shardkit checkpoint directory")
+    if not fs.exists(f"{root}/{METADATA_FILE}"):
+        steps = _step_dirs(fs, root)
+        if steps:
+            latest = max(steps)
+            raise CliError(
+                f"{path} is a CheckpointManager directory ({len(steps)} steps); name one step, "
+                f"e.g. {path.rstrip('/')}/{steps[latest]}"
+            )
+        if fs.exists(f"{root}/.metadata"):
+            raise CliError(
+                f"{path} is a torch.distributed.checkpoint directory, not a shardkit one; "
+                f"import it with: shardkit ckpt convert {path} DST --from torch-dcp --to shardkit"
+            )
+        raise CliError(f"{path} is not a shardkit checkpoint: it has no {METADATA_FILE}")
+    return read_metadata(path)
+
+
+def _step_dirs(fs, root: str) -> dict[int, str]:
+    steps = {}
+    for entry in fs.ls(root, detail=True):
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        match = _STEP_DIR.match(name)
+        if match and entry["type"] == "directory":
+            steps[int(match.group(1))] = name
+    return steps
+
+
+def human_bytes(n: float) -> str:
+    """``1.5 MiB`` style sizes."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(rows: list[list[str]], right: set[int]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ).rstrip()
+        for r in rows
+    )
+
+
+# -- ls -----------------------------------------------------------------------------------
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Steps under a CheckpointManager directory, with creation times and sizes."""
+    from ..checkpoint import is_committed, read_metadata
+
+    fs, root = require_exists(args.path)
+    if fs.exists(f"{root}/{METADATA_FILE}"):
+        raise CliError(
+            f"{args.path} is a single checkpoint, not a CheckpointManager directory; "
+            f"use: shardkit ckpt inspect {args.path}"
+        )
+    steps = _step_dirs(fs, root) if fs.isdir(root) else {}
+    if not steps:
+        raise CliError(
+            f"{args.path} holds no step_* checkpoints (not a CheckpointManager directory?)"
+        )
+    rows = [["STEP", "CREATED", "SIZE", "FILES", "STATUS"]]
+    for step in sorted(steps):
+        url = f"{args.path.rstrip('/')}/{steps[step]}"
+        if is_committed(url):
+            md = read_metadata(url)
+            rows.append(
+                [
+                    str(step),
+                    md.created,
+                    human_bytes(sum(md.files.values())),
+                    str(len(md.files)),
+                    "committed",
+                ]
+            )
+        else:
+            rows.append([str(step), "-", "-", "-", "incomplete (never loaded)"])
+    print(_table(rows, right={0, 2, 3}))
+    return 0
+
+
+# -- inspect ------------------------------------------------------------------------------
+def describe(path: str) -> dict:
+    """What ``inspect --json`` prints: the checkpoint's header and one entry per key."""
+    md = checkpoint_metadata(path)
+    tensors = {}
+    for key in sorted(md.tensors):
+        t = md.tensors[key]
+        tensors[key] = {
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "chunks": len(t.chunks),
+            "bytes": math.prod(t.shape) * t.dtype.itemsize,
+        }
+    return {
+        "path": path,
+        "format_version": md.version,
+        "created": md.created,
+        "world_size": md.world_size,
+        "save_id": md.save_id,
+        "total_bytes": sum(md.files.values()),
+        "tensors": tensors,
+        "values": {k: md.values[k] for k in sorted(md.values)},
+        "pickled_objects": sorted(md.objects),
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """A table of keys with dtype, global shape, chunk count and bytes."""
+    info = describe(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    print(f"checkpoint     {info['path']}")
+    print(f"format version {info['format_version']}")
+    print(f"created        {info['created']}")
+    print(f"world size     {info['world_size']} (at save)")
+    print(f"stored bytes   {human_bytes(info['total_bytes'])} in data files")
+    rows = [["KEY", "DTYPE", "SHAPE", "CHUNKS", "BYTES"]]
+    for key, t in info["tensors"].items():
+        rows.append(
+            [
+                key,
+                t["dtype"],
+                "x".join(map(str, t["shape"])) or "()",
+                str(t["chunks"]),
+                human_bytes(t["bytes"]),
+            ]
+        )
+    print()
+    print(_table(rows, right={3, 4}))
+    if info["values"]:
+        print()
+        for key, value in info["values"].items():
+            print(f"{key} = {json.dumps(value, default=str)}")
+    for key in info["pickled_objects"]:
+        print(f"{key} = <pickled object: not loaded>")
+    return 0
+
+
+# -- verify -------------------------------------------------------------------------------
+def _blocks(chunk, itemsize: int):
+    """(start, length) of each checksum block of a chunk, relative to its data."""
+    row = math.prod(chunk.box.sizes[1:]) * itemsize if chunk.box.sizes else itemsize
+    step = max(1, chunk.block_rows) * row
+    return [(s, min(step, chunk.nbytes - s)) for s in range(0, chunk.nbytes, max(1, step))]
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Re-hash every block of every chunk (and pickled object); exit 1 naming the failures."""
+    import xxhash
+    from tqdm import tqdm
+
+    md = checkpoint_metadata(args.path)
+    fs, root = fs_and_path(args.path)
+    failures: list[str] = []
+    for name, size in sorted(md.files.items()):
+        full = f"{root}/{name}"
+        if not fs.exists(full):
+            failures.append(f"file {name}: missing")
+        elif fs.size(full) != size:
+            failures.append(
+                f"file {name}: {fs.size(full)} bytes, metadata says {size} (truncated or replaced)"
+            )
+    bad_files = {f.split(":")[0].removeprefix("file ") for f in failures}
+    total = sum(c.nbytes for t in md.tensors.values() for c in t.chunks)
+    total += sum(o.nbytes for o in md.objects.values())
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="verify",
+        file=sys.stderr,
+        disable=args.no_progress,
+        mininterval=0.2,
+    )
+    handles: dict[str, object] = {}
+    try:
+        for key in sorted(md.tensors):
+            t = md.tensors[key]
+            for chunk in t.chunks:
+                label = f"file {chunk.file}, key {key!r}, chunk offsets={list(chunk.box.offsets)} sizes={list(chunk.box.sizes)}"
+                if chunk.file in bad_files:
+                    failures.append(f"{label}: unreadable (file missing or wrong size)")
+                    bar.update(chunk.nbytes)
+                    continue
+                f = handles.get(chunk.file) or handles.setdefault(
+                    chunk.file, fs.open(f"{root}/{chunk.file}", "rb")
+                )
+                blocks = _blocks(chunk, t.dtype.itemsize)
+                if len(blocks) != len(chunk.checksums):
+                    failures.append(
+                        f"{label}: {len(chunk.checksums)} checksums for {len(blocks)} blocks"
+                    )
+                    bar.update(chunk.nbytes)
+                    continue
+                for i, ((start, length), expected) in enumerate(zip(blocks, chunk.checksums)):
+                    f.seek(chunk.offset + start)
+                    if xxhash.xxh3_64_hexdigest(f.read(length)) != expected:
+                        failures.append(f"{label}, block {i}: checksum mismatch")
+                    bar.update(length)
+        for key in sorted(md.objects):
+            o = md.objects[key]
+            if o.file in bad_files:
+                failures.append(
+                    f"file {o.file}, key {key!r}: unreadable (file missing or wrong size)"
+                )
+                continue
+            with fs.open(f"{root}/{o.file}", "rb") as f:
+                f.seek(o.offset)
+                if xxhash.xxh3_64_hexdigest(f.read(o.nbytes)) != o.checksum:
+                    failures.append(
+                        f"file {o.file}, key {key!r} (pickled object): checksum mismatch"
+                    )
+            bar.update(o.nbytes)
+    finally:
+        bar.close()
+        for f in handles.values():
+            f.close()
+    if failures:
+        for line in failures:
+            print(f"FAILED {line}", file=sys.stderr)
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        raise VerifyFailed(f"{args.path}: {failures[0]}{more}")
+    chunks = sum(len(t.chunks) for t in md.tensors.values())
+    print(
+        f"OK {args.path}: {len(md.tensors)} tensors, {chunks} chunks, {human_bytes(total)} verified"
+    )
+    return 0

@@ -8,6 +8,7 @@ traceback. ``--debug`` re-raises instead, for bug reports.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .._version import __version__
@@ -97,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(["ckpt", "--help"])
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # `shardkit ckpt inspect ... | head`: not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         if args.debug:
             raise

@@ -1,0 +1,274 @@
+"""``shardkit ckpt convert`` and ``shardkit ckpt diff``: formats, detection, per-key reads.
+
+Conversions call ``shardkit.checkpoint.format_utils``; a pair it has no direct function
+for goes through a temporary shardkit checkpoint, so memory stays bounded by what each
+step allows (safetensors out: one batch of tensors; torch.save out: the whole output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import tempfile
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from ._main import CliError
+
+__all__ = ["FORMATS_FROM", "FORMATS_TO", "cmd_convert", "cmd_diff", "detect_format"]
+
+FORMATS_TO = ("safetensors", "torch", "shardkit")
+FORMATS_FROM = ("torch-dcp", "torch", "safetensors", "shardkit")
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+
+
+def _fs(path: str):
+    from ._ckpt import fs_and_path
+
+    return fs_and_path(path)
+
+
+def detect_format(path: str) -> str:
+    """The format of an existing ``path``: shardkit, torch-dcp, safetensors or torch."""
+    from ._ckpt import METADATA_FILE, require_exists
+
+    fs, root = require_exists(path)
+    if fs.isdir(root):
+        if fs.exists(f"{root}/{METADATA_FILE}"):
+            return "shardkit"
+        if fs.exists(f"{root}/.metadata"):
+            return "torch-dcp"
+        raise CliError(
+            f"{path} is a directory but neither a shardkit checkpoint ({METADATA_FILE}) nor a "
+            "torch.distributed.checkpoint (.metadata); pass --from"
+        )
+    with fs.open(root, "rb") as f:
+        head = f.read(9)
+    if len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] < 100 << 20:
+        return "safetensors"
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save zip / legacy pickle
+        return "torch"
+    raise CliError(f"cannot tell the format of {path}; pass --from {'|'.join(FORMATS_FROM)}")
+
+
+def _target_format(dst: str) -> str:
+    name = dst.rstrip("/").lower()
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    if name.endswith(_TORCH_SUFFIXES):
+        return "torch"
+    return "shardkit"
+
+
+def _to_shardkit(src: str, fmt: str, dst: str) -> None:
+    from ..checkpoint import format_utils as fu
+
+    if fmt == "torch":
+        fu.torch_save_to_dcp(src, dst, progress=True)
+    elif fmt == "safetensors":
+        fu.from_safetensors(src, dst, progress=True)
+    elif fmt == "torch-dcp":
+        fu.import_torch_dcp(src, dst, progress=True)
+    else:
+        raise AssertionError(fmt)
+
+
+def _from_shardkit(src: str, fmt: str, dst: str) -> None:
+    from ..checkpoint import format_utils as fu
+
+    if fmt == "safetensors":
+        fu.to_safetensors(src, dst, progress=True)
+    elif fmt == "torch":
+        fu.dcp_to_torch_save(src, dst, progress=True)
+    else:
+        raise AssertionError(fmt)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Convert SRC to DST; formats from --from/--to or detected from SRC and DST's suffix."""
+    src_fmt = args.from_ or detect_format(args.src)
+    dst_fmt = args.to or _target_format(args.dst)
+    if src_fmt == dst_fmt:
+        raise CliError(f"{args.src} is already in {src_fmt} format; pick another --to")
+    if src_fmt != "torch-dcp":
+        from ._ckpt import require_exists
+
+        require_exists(args.src)
+    fs, root = _fs(args.dst)
+    if fs.exists(root) and not args.overwrite:
+        raise CliError(f"{args.dst} already exists; pass --overwrite to replace it")
+    existed = fs.exists(root)
+    try:
+        if src_fmt == "shardkit":
+            _from_shardkit(args.src, dst_fmt, args.dst)
+        elif dst_fmt == "shardkit":
+            _to_shardkit(args.src, src_fmt, args.dst)
+        else:  # e.g. torch -> safetensors: through a temporary shardkit checkpoint on disk
+            with tempfile.TemporaryDirectory(prefix="shardkit-convert-") as tmp:
+                _to_shardkit(args.src, src_fmt, tmp)
+                _from_shardkit(tmp, dst_fmt, args.dst)
+    except BaseException:
+        if not existed and fs.exists(root):  # no half-written output left behind
+            fs.rm(root, recursive=True)
+        raise
+    print(f"wrote {args.dst} ({dst_fmt}, from {src_fmt} {args.src})")
+    return 0
+
+
+# -- diff ---------------------------------------------------------------------------------
+class _Source:
+    """Per-key access to a checkpoint in any readable format, one tensor at a time."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.format = detect_format(path)
+        self.values: dict[str, object] = {}
+        self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        if self.format == "shardkit":
+            from ._ckpt import checkpoint_metadata
+
+            md = checkpoint_metadata(path)
+            self._reader = _cached_reader(path)
+            self.tensors = {k: (t.dtype, tuple(t.shape)) for k, t in md.tensors.items()}
+            self.values = dict(md.values)
+            self.values.update({k: "<pickled object>" for k in md.objects})
+        elif self.format == "safetensors":
+            from safetensors import safe_open
+
+            self._st = safe_open(self._local(), "pt")
+            stored = (self._st.metadata() or {}).get("shardkit.values")
+            if stored:  # non-tensor values written by `convert --to safetensors`
+                self.values = _decode(json.loads(stored))
+            for key in self._st.keys():
+                piece = self._st.get_slice(key)
+                self.tensors[key] = (None, tuple(piece.get_shape()))
+        elif self.format == "torch":
+            state = torch.load(self._local(), map_location="cpu", weights_only=True, mmap=True)
+            if not isinstance(state, dict):
+                raise CliError(f"{path} holds a {type(state).__name__}, not a state dict")
+            self._flat = dict(_flatten(state))
+            for key, value in self._flat.items():
+                if isinstance(value, torch.Tensor):
+                    self.tensors[key] = (value.dtype, tuple(value.shape))
+                else:
+                    self.values[key] = value
+        else:
+            raise CliError(
+                f"{path} is a torch.distributed.checkpoint; convert it first: "
+                f"shardkit ckpt convert {path} DST --to shardkit"
+            )
+
+    def _local(self) -> str:
+        if "://" in self.path and not self.path.startswith("file://"):
+            raise CliError(f"diff reads {self.format} files from local paths only, got {self.path}")
+        return self.path.removeprefix("file://")
+
+    def keys(self) -> set[str]:
+        """Every key: tensors and values."""
+        return set(self.tensors) | set(self.values)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The full tensor stored under ``key``."""
+        if self.format == "shardkit":
+            from ..checkpoint import load
+
+            dtype, shape = self.tensors[key]
+            out = torch.empty(shape, dtype=dtype)
+            with warnings.catch_warnings():  # every other key is skipped on purpose
+                warnings.simplefilter("ignore", UserWarning)
+                load({key: out}, storage_reader=self._reader, strict=False)
+            return out
+        if self.format == "safetensors":
+            return self._st.get_tensor(key)
+        return self._flat[key]
+
+
+def _decode(value):
+    """Undo the tags of docs/checkpoint-format.md's JSON value encoding."""
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        tag = value.get("__shardkit__")
+        if tag == "float":
+            return float(value["repr"])
+        if tag == "tuple":
+            return tuple(_decode(v) for v in value["items"])
+        if tag == "dict":
+            return {_decode(k): _decode(v) for k, v in value["items"]}
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
+def _cached_reader(path: str):
+    """A FileSystemReader that fetches metadata.json once for many one-key loads."""
+    from ..checkpoint import FileSystemReader
+
+    class CachedReader(FileSystemReader):
+        _raw: bytes | None = None
+
+        def read_metadata(self) -> bytes:
+            if self._raw is None:
+                self._raw = super().read_metadata()
+            return self._raw
+
+    return CachedReader(path)
+
+
+def _flatten(value, prefix: str = "") -> Iterator[tuple[str, object]]:
+    if isinstance(value, dict) and value and all(isinstance(k, (str, int)) for k in value):
+        for k, v in value.items():
+            yield from _flatten(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], value
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.dtype == torch.bool or b.dtype == torch.bool:
+        return float((a != b).sum().item())
+    if a.numel() == 0:
+        return 0.0
+    return (a.to(torch.float64) - b.to(torch.float64)).abs().max().item()
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Keys only in A, only in B, and differing keys with the largest |a - b|.
+
+    Exits 0 when the checkpoints match and 1 when they differ, like diff(1).
+    """
+    a, b = _Source(args.a), _Source(args.b)
+    only_a, only_b = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+    differ: list[tuple[str, str]] = []
+    same = 0
+    for key in sorted(a.keys() & b.keys()):
+        if key in a.values or key in b.values:
+            va, vb = a.values.get(key, "<tensor>"), b.values.get(key, "<tensor>")
+            if va != vb:
+                differ.append((key, f"value {va!r} vs {vb!r}"))
+            else:
+                same += 1
+            continue
+        ta, tb = a.tensor(key), b.tensor(key)
+        if ta.shape != tb.shape:
+            differ.append((key, f"shape {tuple(ta.shape)} vs {tuple(tb.shape)}"))
+        elif ta.dtype != tb.dtype:
+            differ.append((key, f"dtype {ta.dtype} vs {tb.dtype}"))
+        else:
+            delta = _max_abs_diff(ta, tb)
+            if delta > args.atol or delta != delta:  # NaN counts as a difference
+                differ.append((key, f"max |a-b| = {delta:.6g}"))
+            else:
+                same += 1
+        del ta, tb
+    for title, keys in ((f"only in A ({args.a})", only_a), (f"only in B ({args.b})", only_b)):
+        print(f"{title}: {len(keys)}")
+        for key in keys:
+            print(f"  {key}")
+    print(f"differ: {len(differ)}")
+    width = max((len(k) for k, _ in differ), default=0)
+    for key, why in differ:
+        print(f"  {key.ljust(width)}  {why}")
+    print(f"identical: {same}")
+    return 1 if (only_a or only_b or differ) else 0
