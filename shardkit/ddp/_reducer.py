@@ -144,7 +144,11 @@ class Reducer:
                 for j in self.unused:
                     self._mark_ready(j)
             if self.ready[i]:
-                return  # reached through the graph after all; already zero-filled
+                raise RuntimeError(
+                    f"DDP: parameter {self.names[i]!r} received a gradient after it was "
+                    f"marked unused (not reachable from the last forward's outputs); "
+                    f"run one forward per backward, or combine the outputs in one forward"
+                )
             self._mark_ready(i)
 
     def _mark_ready(self, i: int) -> None:

@@ -271,3 +271,39 @@ def test_ddp_imports_only_runtime():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "wrap", [default_hooks.fp16_compress_wrapper, default_hooks.bf16_compress_wrapper]
+)
+def test_compress_wrapper_around_compressing_powersgd(wrap):
+    torch.manual_seed(0)
+    model = nn.Linear(24, 32)
+    ddp = DDP(model)
+    state = PowerSGDState(None, start_powerSGD_iter=2, min_compression_rate=1)
+    ddp.register_comm_hook(state, wrap(powerSGD_hook))
+    u, v = torch.randn(32), torch.randn(24)
+    for _ in range(4):
+        model.zero_grad()
+        (ddp(v.unsqueeze(0)) * u).sum().backward()
+    want = torch.outer(u, v)
+    assert (model.weight.grad - want).norm() / want.norm() < 1e-2  # 16-bit rounding only
+    assert state.compression_stats()[0] > 5
+
+
+def test_gradient_after_marked_unused_is_an_error_not_silently_dropped():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x, which):
+            return self.a(x) if which == "a" else self.b(x)
+
+    ddp = DDP(Two(), find_unused_parameters=True)
+    x = torch.randn(2, 3)
+    first, second = ddp(x, "a"), ddp(x, "b")  # the second forward re-arms DDP
+    with pytest.raises(
+        RuntimeError, match=r"'a\.\w+' received a gradient after it was marked unused"
+    ):
+        (first + second).sum().backward()
