@@ -60,7 +60,7 @@ def _state(total_mib: int, rank: int):
     g = torch.Generator().manual_seed(0)
     sd = {"model": {}, "step": 7}
     for i in range(n_sh):
-        local = torch.randn(rows_sh // 2, 1024, generator=g) + rank
+        local = torch.randn(rows_sh // 2, 1024, generator=g).add_(rank)
         sd["model"][f"sharded{i}"] = DTensor.from_local(
             local, mesh, [Shard(0)], run_check=False, shape=(rows_sh, 1024), stride=(1024, 1)
         )
@@ -75,16 +75,40 @@ def _local_tensors(sd):
     return [t.to_local() if isinstance(t, DTensor) else t for t in sd["model"].values()]
 
 
-def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
+def _memcpy(tensors, share: int) -> dict:
+    """Seconds for one copy of the rank's state, and of its first ``share`` bytes, into
+    preallocated, already-touched buffers (the strictest memcpy baseline)."""
     import torch
+
+    flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
+    part, left = [], share
+    for t in flat:
+        part.append(t[: max(0, min(left, t.numel()))])
+        left -= part[-1].numel()
+    out = {}
+    for name, srcs in (("state", flat), ("share", part)):
+        dst = [torch.empty_like(t) for t in srcs]
+        for d, t in zip(dst, srcs):
+            d.copy_(t)
+        t0 = time.perf_counter()
+        for d, t in zip(dst, srcs):
+            d.copy_(t)
+        out[name] = time.perf_counter() - t0
+    return out
+
+
+def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as tdcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor  # noqa: F401  (import cost outside the base)
 
     import shardkit.checkpoint as dcp
 
     rank = dist.get_rank()
     barrier = dist.barrier
-    base_rss = _rss("VmRSS")
+    init_device_mesh("cpu", (2,))
+    base_rss = _rss("VmRSS")  # after imports: the RSS figure is about the save's own memory
     sd = _state(total_mib, rank)
     locals_ = _local_tensors(sd)
     state_bytes = sum(t.numel() * t.element_size() for t in locals_)
@@ -93,7 +117,7 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     # -- async first, so shardkit's peak RSS is not inflated by earlier allocations ---------
     sk = {"async_block": [], "save": [], "load": []}
     th = {"async_block": [], "save": [], "load": []}
-    peak = 0
+    peak, memcpy, share = 0, {"state": [], "share": []}, 0
     for i in range(repeats + 1):
         barrier()
         _reset_peak()
@@ -102,31 +126,16 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
         blocked = time.perf_counter() - t0
         md = fut.result()
         peak = max(peak, _rss("VmHWM") - base_rss)
+        share = sum(
+            c.nbytes for t in md.tensors.values() for c in t.chunks if f"-{rank:05d}-" in c.file
+        )
         if i:  # the first call allocates the reusable staging buffer
             sk["async_block"].append(blocked)
-    share = sum(
-        c.nbytes for t in md.tensors.values() for c in t.chunks if f"-{rank:05d}-" in c.file
-    )
+            # one plain memcpy of the same bytes, right after, under the same conditions
+            for name, seconds in _memcpy(locals_, share).items():
+                memcpy[name].append(seconds)
     out["async_peak_rss_over_base"] = peak
     out["rank_share_bytes"] = share
-
-    # -- one plain memcpy of the same bytes (preallocated, pre-touched destination) ---------
-    flat = [t.reshape(-1).view(torch.uint8) for t in locals_]
-    src_share, left = [], share
-    for t in flat:  # the first `share` bytes of the local state
-        src_share.append(t[: min(left, t.numel())])
-        left -= src_share[-1].numel()
-    memcpy = {"state": [], "share": []}
-    for name, srcs in (("state", flat), ("share", src_share)):
-        dst = [torch.empty_like(t) for t in srcs]
-        for d, t in zip(dst, srcs):
-            d.copy_(t)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for d, t in zip(dst, srcs):
-                d.copy_(t)
-            memcpy[name].append(time.perf_counter() - t0)
-        del dst
 
     # -- save and load, shardkit and torch interleaved so both see the same conditions ------
     for _ in range(repeats):
@@ -223,6 +232,8 @@ def main() -> None:
         "state_mib": mib,
         "repeats": repeats,
         "fsync": True,
+        "loadavg_1m_at_end": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
         "shardkit_s": sk,
         "torch_s": th,
         "memcpy_s": {"rank_state": r0["memcpy_state"], "rank_share": r0["memcpy_share"]},
