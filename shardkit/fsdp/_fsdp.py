@@ -8,14 +8,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ._build import own_modules, prepare_buffers, shard_parameters
 from ._comm import group_info
-from ._layout import SlotLayout
 from ._options import FSDPOptions
-from ._unit import ManagedParam, UnitState
+from ._unit import UnitState
 from ._wrap import auto_wrap
 
 __all__ = ["FullyShardedDataParallel", "FSDP"]
@@ -69,6 +68,7 @@ class FullyShardedDataParallel(nn.Module):
     """
 
     _shardkit_wrapper = True
+    _shardkit_fsdp_unit = True
 
     def __init__(
         self,
@@ -110,8 +110,8 @@ class FullyShardedDataParallel(nn.Module):
             wrapper = opts.auto_wrapper_callable or (lambda m, **kw: type(self)(m, **kw))
             auto_wrap(module, opts.auto_wrap_policy, wrapper, opts.for_child(), type(self))
         self.module = module
-        self._prepare_buffers()
-        params = self._collect_params()
+        prepare_buffers(module, opts, self._group, self.world_size)
+        params = shard_parameters(module, opts, self._group, self.rank, self.world_size)
         self._state = UnitState(
             params,
             group=self._group,
@@ -121,7 +121,7 @@ class FullyShardedDataParallel(nn.Module):
             fp32_reduce_scatter=opts.fp32_reduce_scatter,
         )
         self._has_checkpointed = any(
-            getattr(m, "_shardkit_checkpointed", False) for m in self._own_modules()
+            getattr(m, "_shardkit_checkpointed", False) for m in own_modules(module)
         )
         self._is_root: bool | None = None
         self.__dict__["_root"] = self  # not a submodule: no cycle in the module tree
@@ -133,81 +133,6 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
         self._sync_grads = True
         self._pending_reduces: deque = deque()
-
-    # -- construction helpers --------------------------------------------------------
-    def _own_modules(self) -> Iterator[nn.Module]:
-        """Modules of this unit: the wrapped tree minus nested FSDP subtrees."""
-        stack, seen = [self.module], set()
-        while stack:
-            mod = stack.pop()
-            if id(mod) in seen:
-                continue
-            seen.add(id(mod))
-            yield mod
-            stack.extend(
-                c for c in mod._modules.values() if c is not None and not isinstance(c, FSDP)
-            )
-
-    def _own_named(self) -> Iterator[tuple[str, nn.Module]]:
-        """(prefix, module) pairs of this unit, every path to a shared module included."""
-
-        def visit(mod: nn.Module, prefix: str):
-            yield prefix, mod
-            for name, child in mod._modules.items():
-                if child is not None and not isinstance(child, FSDP):
-                    yield from visit(child, f"{prefix}{name}.")
-
-        yield from visit(self.module, "")
-
-    def _prepare_buffers(self) -> None:
-        dtype = self._opts.buffer_dtype or self._opts.compute_dtype
-        for mod in self._own_modules():
-            for name, buf in mod._buffers.items():
-                if buf is None:
-                    continue
-                if self._opts.sync_module_states and self.world_size > 1:
-                    dist.broadcast(buf, dist.get_global_rank(self._group, 0), group=self._group)
-                if dtype is not None and buf.is_floating_point() and buf.dtype != dtype:
-                    mod._buffers[name] = buf.to(dtype)
-
-    def _collect_params(self) -> list[ManagedParam]:
-        found: dict[int, tuple[nn.Parameter, list, list]] = {}
-        for prefix, mod in self._own_named():
-            for name, p in mod._parameters.items():
-                if p is None:
-                    continue
-                fqn = prefix + name
-                if getattr(p, "_shardkit_fsdp_claimed", False) or getattr(
-                    p, "_shardkit_fsdp_shard", False
-                ):
-                    raise ValueError(
-                        f"parameter {fqn!r} is shared with a nested FSDP unit; put every "
-                        "module that uses a tied parameter in the same unit (leave them "
-                        "unwrapped, or wrap their common parent)"
-                    )
-                entry = found.setdefault(id(p), (p, [], []))
-                if (mod, name) not in [(m, n) for m, n in entry[1] if m is mod]:
-                    entry[1].append((mod, name))
-                entry[2].append(fqn)
-        params = []
-        for p, owners, fqns in found.values():
-            layout = SlotLayout(tuple(p.shape), self.world_size, 0)
-            with torch.no_grad():
-                if self._opts.sync_module_states and self.world_size > 1:
-                    dist.broadcast(p.data, dist.get_global_rank(self._group, 0), group=self._group)
-                local = layout.shard_of(p.detach(), self.rank).clone()
-            shard = nn.Parameter(local, requires_grad=p.requires_grad)
-            shard._shardkit_fsdp_shard = True
-            p._shardkit_fsdp_claimed = True
-            for mod, name in owners:
-                mod._parameters[name] = shard
-            params.append(ManagedParam(shard, owners, fqns, layout))
-        # lay the slots end to end
-        offset = 0
-        for mp in params:
-            mp.layout = SlotLayout(mp.layout.shape, self.world_size, offset)
-            offset += mp.layout.padded_numel
-        return params
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -356,7 +281,7 @@ class FullyShardedDataParallel(nn.Module):
         while self._pending_reduces:
             self._pending_reduces.popleft().finish()
         for unit in self._units:
-            if unit._uses == 0 or not torch.is_grad_enabled():
+            if unit._uses == 0:
                 unit._restore_shards()
                 unit._state.free()
         self._callback_queued = False
