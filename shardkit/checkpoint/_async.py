@@ -61,7 +61,11 @@ def _private_group(process_group: Any) -> Any:
     if len(ranks) == 1:
         return None
     if ranks not in _groups:
-        _groups[ranks] = dist.new_group(list(ranks), backend="gloo")
+        # only the group's own ranks take part when it is a subgroup of the world
+        subgroup = len(ranks) != dist.get_world_size()
+        _groups[ranks] = dist.new_group(
+            list(ranks), backend="gloo", use_local_synchronization=subgroup
+        )
     return _groups[ranks]
 
 

@@ -37,7 +37,7 @@ def resolve_reader(checkpoint_id: Any, storage_reader: StorageReader | None) -> 
 def _metadata(reader: StorageReader) -> Metadata:
     try:
         raw = reader.read_metadata()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise CheckpointError(
             f"no committed checkpoint at {reader!r}: {METADATA_FILE} is missing (never saved, "
             "or the save was interrupted before its commit)"
