@@ -167,3 +167,16 @@ def test_streaming_reads_reuse_one_buffer(tmp_path, monkeypatch):
         seen[key] = tensor.clone()
     assert len(pointers) == 1  # every batch lived in the same buffer
     _bit_equal(seen, state)
+
+
+def test_conversions_work_over_fsspec_urls():
+    state = {"a": torch.arange(6.0).reshape(2, 3), "v": [1, 2]}
+    base = "memory://format-utils-test"
+    dist_cp.save(state, checkpoint_id=f"{base}/ck")
+    format_utils.to_safetensors(f"{base}/ck", f"{base}/x.safetensors")
+    format_utils.from_safetensors(f"{base}/x.safetensors", f"{base}/ck2")
+    format_utils.dcp_to_torch_save(f"{base}/ck2", f"{base}/x.pt")
+    format_utils.torch_save_to_dcp(f"{base}/x.pt", f"{base}/ck3")
+    _bit_equal(_load_flat(f"{base}/ck3", state), state)
+    with pytest.raises(ValueError, match="local directories only"):
+        format_utils.import_torch_dcp(f"{base}/ck", f"{base}/ck4")
