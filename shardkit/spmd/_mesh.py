@@ -67,6 +67,11 @@ class Mesh:
         self.mesh_shape = mesh_shape
         self.axis_names = axis_names
         self._groups: dict[tuple[int, ...], object] = {}
+        # rank -> coordinate and the hash are asked for on every op: compute them once
+        self._coords = {
+            int(r): tuple(int(c) for c in idx) for idx, r in np.ndenumerate(self.device_ids)
+        }
+        self._hash = hash((self.axis_names, self.mesh_shape, self.device_ids.tobytes()))
 
     # -- geometry --------------------------------------------------------
     def shape(self) -> OrderedDict[str, int]:
@@ -83,10 +88,10 @@ class Mesh:
 
     def coord_of(self, rank: int) -> tuple[int, ...]:
         """Mesh coordinate of ``rank``."""
-        found = np.argwhere(self.device_ids == rank)
-        if found.size == 0:
+        found = self._coords.get(int(rank))
+        if found is None:
             raise ValueError(f"rank {rank} is not in this mesh")
-        return tuple(int(c) for c in found[0])
+        return found
 
     def coord(self) -> tuple[int, ...]:
         """This process's mesh coordinate."""
@@ -136,6 +141,10 @@ class Mesh:
                     group = dist.new_group(ranks)
                     if runtime.global_ordinal() in ranks:
                         mine = group
+                # gloo sets up a new group's connections through the world's store; wait
+                # until every group is up, so no rank can finish (and take the store down)
+                # while another is still connecting
+                dist.barrier()
                 self._groups[key] = mine
         return self._groups[key]
 
@@ -150,6 +159,8 @@ class Mesh:
         return f"Mesh({axes}, device_ids={self.device_ids.reshape(-1).tolist()})"
 
     def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
         return (
             isinstance(other, Mesh)
             and self.axis_names == other.axis_names
@@ -158,4 +169,4 @@ class Mesh:
         )
 
     def __hash__(self) -> int:
-        return hash((self.axis_names, self.mesh_shape, self.device_ids.tobytes()))
+        return self._hash

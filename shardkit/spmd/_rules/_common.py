@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -72,6 +73,14 @@ def local_under(x, placement: Placement) -> torch.Tensor:
     communication.
     """
     if is_st(x):
+        src = x._placement
+        keep = tuple(p for p in src.partial if p in placement.partial)
+        if len(keep) != len(src.partial):
+            # resolve pending reductions once and remember it: autograd saves this same
+            # tensor for backward, which must not pay the all-reduce again
+            resolved = Placement(src.mesh, src.spec, keep)
+            x._local_tensor = redistribute_local(x._local_tensor, x.shape, src, resolved)
+            x._placement = resolved
         return redistribute_local(x._local_tensor, x.shape, x._placement, placement)
     if x.ndim == 0 or all(not axes for axes in placement.spec):
         return x
@@ -107,9 +116,11 @@ def move_cost(x, dst: Placement) -> int:
     """
     if not is_st(x):
         return 0
-    src = x._placement
-    elsize = _element_size(x)
-    shape = tuple(x.shape)
+    return _move_cost(tuple(x.shape), _element_size(x), x._placement, dst)
+
+
+@lru_cache(maxsize=16384)
+def _move_cost(shape: tuple, elsize: int, src: Placement, dst: Placement) -> int:
     cost = 0
     if any(p not in dst.partial for p in src.partial):
         cost += partial_cost(src, shape, elsize)
