@@ -61,45 +61,59 @@ def find_rank_files(ckpt_prefix: str, ckpt_suffix: str = "*.pth") -> list[str]:
     return [by_rank[r] for r in range(world)]
 
 
+def _merge_rank(path: str, rank: int, world: int, slots: dict, full: dict) -> dict[str, str]:
+    """Copy one rank file's rows into the full tensors; its tensors die on return.
+
+    Returns rank 0's ``state_dict`` key -> unwrapped name map, in order (else empty).
+    """
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    try:
+        model, meta = ckpt["model"], ckpt["shard_metadata"]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{path!r} is not a per-rank FSDP checkpoint: it needs 'model' and "
+            "'shard_metadata' entries"
+        ) from None
+    if meta.get("world_size") != world or meta.get("rank") != rank:
+        raise ValueError(
+            f"{path!r} holds rank {meta.get('rank')} of {meta.get('world_size')} ranks, but "
+            f"its name says rank {rank} of {world}"
+        )
+    for key, info in meta["params"].items():
+        if key not in model:
+            raise ValueError(f"{path!r}: shard metadata names {key!r}, missing from 'model'")
+        shard = model[key]
+        shape = info["shape"]
+        expected = tuple(shape) if info["replicated"] else (info["rows"], *shape[1:])
+        if tuple(shard.shape) != expected:
+            raise ValueError(
+                f"{path!r}: {key!r} has shape {tuple(shard.shape)}, but its shard metadata "
+                f"says {expected}"
+            )
+        target = slots.get(info["slot"])
+        if target is None:
+            target = slots[info["slot"]] = torch.empty(shape, dtype=shard.dtype)
+        if info["replicated"]:
+            if rank == 0:
+                target.copy_(shard)
+        elif info["rows"]:
+            target.narrow(0, info["start"], info["rows"]).copy_(shard)
+        full[info["fqn"]] = target
+    if rank != 0:
+        return {}
+    for key, fqn in meta["buffers"].items():
+        full[fqn] = model[key].clone()
+    names = {**{k: v["fqn"] for k, v in meta["params"].items()}, **meta["buffers"]}
+    return {k: names[k] for k in model if k in names}
+
+
 def _consolidate(paths: list[str], progress: Callable[[Iterable], Iterable]) -> dict:
     world = len(paths)
     full: dict[str, torch.Tensor] = {}
-    slots: dict[int, torch.Tensor] = {}
-    order: dict[str, str] = {}  # rank 0's state_dict key -> unwrapped name, in order
+    slots: dict[int, torch.Tensor] = {}  # one full tensor per unique (maybe tied) parameter
+    order: dict[str, str] = {}
     for rank, path in enumerate(progress(paths)):
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        try:
-            model, meta = ckpt["model"], ckpt["shard_metadata"]
-        except (KeyError, TypeError):
-            raise ValueError(
-                f"{path!r} is not a per-rank FSDP checkpoint: it needs 'model' and "
-                "'shard_metadata' entries"
-            ) from None
-        if meta.get("world_size") != world or meta.get("rank") != rank:
-            raise ValueError(
-                f"{path!r} holds rank {meta.get('rank')} of {meta.get('world_size')} ranks, but "
-                f"its name says rank {rank} of {world}"
-            )
-        for key, info in meta["params"].items():
-            if key not in model:
-                raise ValueError(f"{path!r}: shard metadata names {key!r}, missing from 'model'")
-            shard = model[key]
-            target = slots.get(info["slot"])
-            if target is None:
-                target = torch.empty(info["shape"], dtype=shard.dtype)
-                slots[info["slot"]] = target
-            if info["replicated"]:
-                if rank == 0:
-                    target.copy_(shard)
-            elif info["rows"]:
-                target.narrow(0, info["start"], info["rows"]).copy_(shard)
-            full[info["fqn"]] = target
-        if rank == 0:
-            for key, fqn in meta["buffers"].items():
-                full[fqn] = model[key].clone()
-            names = {**{k: v["fqn"] for k, v in meta["params"].items()}, **meta["buffers"]}
-            order = {k: names[k] for k in model if k in names}
-        del ckpt, model
+        order = _merge_rank(path, rank, world, slots, full) or order
     return {fqn: full[fqn] for fqn in order.values()}
 
 

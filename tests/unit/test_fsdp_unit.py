@@ -305,3 +305,63 @@ def test_eval_forward_frees_every_unit_and_state_dict_works_after():
     meta = model.get_shard_metadata()
     assert meta["params"]["module.blocks.0.module.a.weight"]["fqn"] == "blocks.0.a.weight"
     assert meta["buffers"] == {"module.shift": "shift"}
+
+
+def _fake_rank_files(prefix, plain, world):
+    """The files `world` FSDP ranks would write for `plain` (one unit, no nesting)."""
+    from shardkit.fsdp._layout import SlotLayout
+
+    slots = {}
+    for rank in range(world):
+        model, params, buffers = {}, {}, {}
+        for name, t in plain.state_dict(keep_vars=True).items():
+            key = "module." + name
+            if isinstance(t, nn.Parameter):
+                lay = SlotLayout(tuple(t.shape), world, 0)
+                start, rows = lay.rows(rank)
+                model[key] = lay.shard_of(t.detach(), rank).clone()
+                params[key] = dict(
+                    fqn=name,
+                    shape=list(t.shape),
+                    slot=slots.setdefault(id(t), len(slots)),
+                    replicated=lay.replicated,
+                    start=start,
+                    rows=rows,
+                )
+            else:
+                model[key], buffers[key] = t.clone(), name
+        meta = dict(version=1, world_size=world, rank=rank, params=params, buffers=buffers)
+        torch.save({"model": model, "shard_metadata": meta}, rank_file_name(prefix, rank, world))
+
+
+def test_consolidation_holds_one_rank_file_at_a_time(tmp_path, monkeypatch):
+    import weakref
+
+    import shardkit.fsdp._consolidate as cons
+
+    torch.manual_seed(0)
+    plain = Net(out=2)  # 2-row head: rank 2 of 3 holds no rows of it
+    prefix = str(tmp_path / "fake")
+    _fake_rank_files(prefix, plain, 3)
+    alive = []
+    real_load = torch.load
+
+    def tracking_load(*args, **kwargs):
+        # every tensor of the previously loaded rank file must be gone by now
+        assert all(ref() is None for ref in alive), "a previous rank file is still alive"
+        ckpt = real_load(*args, **kwargs)
+        alive.extend(weakref.ref(t) for t in ckpt["model"].values())
+        return ckpt
+
+    monkeypatch.setattr(cons.torch, "load", tracking_load)
+    full, _ = consolidate_sharded_model_checkpoints(prefix, "_rank-*-of-*.pth", save_model=False)
+    monkeypatch.undo()
+    assert list(full) == list(plain.state_dict())
+    for k, v in plain.state_dict().items():
+        assert torch.equal(full[k], v), k
+    # metadata that disagrees with the file name is named
+    meta_lie = real_load(rank_file_name(prefix, 1, 3), weights_only=True)
+    meta_lie["shard_metadata"]["rank"] = 2
+    torch.save(meta_lie, rank_file_name(prefix, 1, 3))
+    with pytest.raises(ValueError, match="fake_rank-00000001-of-00000003.pth"):
+        consolidate_sharded_model_checkpoints(prefix, "_rank-*-of-*.pth", save_model=False)
