@@ -165,15 +165,26 @@ def set_model_state_dict(
         if raw is not None:
             plain[raw] = value
             continue
-        prefix = next(p for p in sharded if under(key, [p]))
-        per_module[prefix][key[len(prefix) + 1 :] if prefix else key] = value
+        per_module[_owner(key, sharded)][key] = value
+    for key, (raw, current) in entries.items():
+        # sharded modules load all their entries at once: skipped keys keep their values
+        if raw is None and key not in model_state_dict:
+            per_module[_owner(key, sharded)][key] = current
 
     root = unwrap(model)
     if plain:
         _load_plain(root, plain)
     for prefix, module in sharded.items():
-        module._shardkit_load_sharded_state_dict(per_module[prefix])
+        cut = len(prefix) + 1 if prefix else 0
+        module._shardkit_load_sharded_state_dict(
+            {k[cut:]: v for k, v in per_module[prefix].items()}
+        )
     return IncompatibleKeys(missing, unexpected)
+
+
+def _owner(key: str, sharded: dict[str, nn.Module]) -> str:
+    """The clean prefix of the sharded module an entry belongs to."""
+    return next(p for p in sharded if under(key, [p]))
 
 
 def _load_plain(root: nn.Module, plain: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@ ShardedTensor parameters, the shardkit sharded-module protocol and shardkit FSDP
 ``torch.distributed.checkpoint.state_dict`` as the oracle. One launch for all checks."""
 
 import copy
+import warnings
 
 import torch
 from harness import run_ranks
@@ -214,6 +215,7 @@ def _check_protocol():
         get_model_state_dict,
         get_optimizer_state_dict,
         get_state_dict,
+        set_model_state_dict,
         set_state_dict,
     )
 
@@ -248,6 +250,15 @@ def _check_protocol():
     assert torch.equal(
         other_optim.state[other[1].flat[0]]["exp_avg"], optim.state[model[1].flat[0]]["exp_avg"]
     )
+    # strict=False: a key the sharded module owns but the state dict lacks keeps its value
+    bumped = {k: v + 1 for k, v in fmsd.items() if k != "1.bias"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = set_model_state_dict(other, bumped, options=StateDictOptions(strict=False))
+    assert result.missing_keys == ["1.bias"] and any("1.bias" in str(w.message) for w in caught)
+    now = get_model_state_dict(other, options=full)
+    assert torch.equal(now["1.bias"], fmsd["1.bias"])
+    assert torch.equal(now["1.weight"], fmsd["1.weight"] + 1)
 
 
 def _check_shardkit_wrappers():
