@@ -45,9 +45,11 @@ def _metadata(reader: StorageReader) -> Metadata:
     return Metadata.from_json(raw, f"{reader!r}/{METADATA_FILE}")
 
 
-def read_metadata(checkpoint_id: str | os.PathLike) -> Metadata:
+def read_metadata(
+    checkpoint_id: str | os.PathLike, *, storage_options: dict | None = None
+) -> Metadata:
     """The metadata of the committed checkpoint at ``checkpoint_id`` (parsed JSON only)."""
-    return _metadata(FileSystemReader(checkpoint_id))
+    return _metadata(FileSystemReader(checkpoint_id, storage_options=storage_options))
 
 
 def _check_files(reader: StorageReader, metadata: Metadata, names: set[str], why: dict) -> None:
@@ -66,13 +68,13 @@ def _check_files(reader: StorageReader, metadata: Metadata, names: set[str], why
             )
 
 
-def is_committed(checkpoint_id: str | os.PathLike) -> bool:
+def is_committed(checkpoint_id: str | os.PathLike, *, storage_options: dict | None = None) -> bool:
     """Whether a complete, committed checkpoint is at ``checkpoint_id``.
 
     True iff its metadata parses and every file it names exists with the recorded size
     (checksums are verified on load, not here).
     """
-    reader = FileSystemReader(checkpoint_id)
+    reader = FileSystemReader(checkpoint_id, storage_options=storage_options)
     try:
         metadata = _metadata(reader)
         _check_files(reader, metadata, set(metadata.files), {})

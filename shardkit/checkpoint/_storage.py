@@ -64,11 +64,13 @@ def _check_threads(thread_count: int) -> int:
 
 
 class _FileSystem:
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, storage_options: dict | None = None) -> None:
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"checkpoint path must be a non-empty str or PathLike, got {path!r}")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict, got {storage_options!r}")
         self.url = os.fspath(path)
-        self.fs, root = fsspec.core.url_to_fs(self.url)
+        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
 
@@ -86,12 +88,18 @@ class FileSystemWriter(_FileSystem):
         path: the checkpoint directory or URL.
         thread_count: files each rank writes in parallel.
         sync_files: fsync every file and the directory before the commit (local paths).
+        storage_options: fsspec options for ``path`` (credentials, an S3 ``endpoint_url``...).
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, thread_count: int = 1, sync_files: bool = True
+        self,
+        path: str | os.PathLike,
+        *,
+        thread_count: int = 1,
+        sync_files: bool = True,
+        storage_options: dict | None = None,
     ) -> None:
-        super().__init__(path)
+        super().__init__(path, storage_options)
         self.thread_count = _check_threads(thread_count)
         self.sync_files = bool(sync_files)
         self._made = False
@@ -185,10 +193,17 @@ class FileSystemReader(_FileSystem):
     Args:
         path: the checkpoint directory or URL.
         thread_count: chunks each rank reads in parallel.
+        storage_options: fsspec options for ``path`` (credentials, an S3 ``endpoint_url``...).
     """
 
-    def __init__(self, path: str | os.PathLike, *, thread_count: int = 1) -> None:
-        super().__init__(path)
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        thread_count: int = 1,
+        storage_options: dict | None = None,
+    ) -> None:
+        super().__init__(path, storage_options)
         self.thread_count = _check_threads(thread_count)
 
     def read_metadata(self) -> bytes:

@@ -260,3 +260,22 @@ def test_save_waits_for_an_async_save_into_the_same_directory(tmp_path):
     dcp.load(target, checkpoint_id=tmp_path)
     assert target["w"].eq(0).all()
     assert len(os.listdir(tmp_path)) == 2  # the async save's files were cleaned up after
+
+
+def test_s3_round_trip_and_overwrite():
+    from s3_server import LoopbackS3
+
+    with LoopbackS3() as s3:
+        s3.make_bucket("ckpt-core")
+        opts = s3.storage_options
+        url = "s3://ckpt-core/run/step1"
+        sd = {"w": torch.randn(300, 70), "i": torch.arange(5), "meta": {"epoch": 2}}
+        for value in (1.0, 2.0):
+            sd["w"].fill_(value)
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(url, storage_options=opts))
+        assert dcp.is_committed(url, storage_options=opts)
+        assert len(s3.filesystem().ls("ckpt-core/run/step1")) == 2  # superseded files removed
+        target = {"w": torch.zeros(300, 70), "i": torch.zeros(5, dtype=torch.int64), "meta": None}
+        dcp.load(target, storage_reader=dcp.FileSystemReader(url, storage_options=opts))
+        assert target["w"].eq(2.0).all() and target["meta"] == {"epoch": 2}
+        assert dcp.read_metadata(url, storage_options=opts).values == {"meta": {"epoch": 2}}
