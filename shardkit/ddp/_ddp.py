@@ -26,6 +26,9 @@ class DistributedDataParallel(nn.Module):
     runs. ``state_dict()`` keys carry the ``module.`` prefix exactly as torch's DDP;
     shardkit's checkpoint helpers strip it (``_shardkit_wrapper`` protocol).
 
+    Options are keyword-only: torch's positional order differs (``device_ids`` comes
+    second there), so a positional call could not mean the same thing in both.
+
     Args:
         module: the model; every rank must build it with the same parameters.
         process_group: the group to average over; default: the world.
@@ -41,12 +44,12 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        *,
         process_group=None,
         bucket_cap_mb: float = 25,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = True,
-        *,
         device_ids: list | None = None,
         output_device=None,
     ) -> None:
