@@ -126,14 +126,7 @@ def get_optimizer_state_dict(
     for n, optim in enumerate(optims):
         prime_state(optim)
         params = _params(optim)
-        names = []
-        for i, p in enumerate(params):
-            if id(p) not in fqns:
-                raise ValueError(
-                    f"optimizer {n} parameter {i} (shape {tuple(p.shape)}) is not a parameter "
-                    "of the model; build the optimizer from model.parameters()"
-                )
-            names.append(fqns[id(p)])
+        names = _names(params, fqns, n)
         osd = optim.state_dict()
         for i, entry in osd["state"].items():
             if not under(names[i], prefixes):
@@ -152,6 +145,17 @@ def get_optimizer_state_dict(
             if kept:
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": kept})
     return {"state": state, "param_groups": groups}
+
+
+def _names(params: list[torch.Tensor], fqns: dict[int, str], n: int) -> list[str]:
+    """The FQN of each of optimizer ``n``'s parameters; ValueError for a stranger."""
+    for i, p in enumerate(params):
+        if id(p) not in fqns:
+            raise ValueError(
+                f"optimizer {n} parameter {i} (shape {tuple(p.shape)}) is not a parameter "
+                "of the model; build the optimizer from model.parameters()"
+            )
+    return [fqns[id(p)] for p in params]
 
 
 def _saved_group(saved: list[dict[str, Any]], names: list[str]) -> dict[str, Any] | None:
@@ -201,15 +205,15 @@ def set_optimizer_state_dict(
     saved_state, saved_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
     fqns, owners = param_fqns(model)
     layouts = _layouts(owners, fqns)
+    for n, optim in enumerate(optims):  # validate every optimizer before changing any
+        _names(_params(optim), fqns, n)
     used: set[str] = set()
-    for optim in optims:
+    for n, optim in enumerate(optims):
         new_state: dict[int, dict[str, Any]] = {}
         new_groups: list[dict[str, Any]] = []
         index = 0
         for group in optim.param_groups:
-            names = [
-                fqns.get(id(p), f"<unnamed {index + j}>") for j, p in enumerate(group["params"])
-            ]
+            names = _names(list(group["params"]), fqns, n)
             saved = _saved_group(saved_groups, names)
             base = {k: v for k, v in (saved or group).items() if k != "params"}
             new_groups.append({**base, "params": list(range(index, index + len(names)))})

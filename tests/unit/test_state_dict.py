@@ -272,6 +272,8 @@ def test_multiple_optimizers_and_optimizer_errors():
     stranger = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
     with pytest.raises(ValueError, match="not a parameter of the model"):
         get_optimizer_state_dict(model, stranger)
+    with pytest.raises(ValueError, match=r"optimizer 1 parameter 0 \(shape \(3,\)\)"):
+        set_optimizer_state_dict(model, [opt1, stranger], sd)
     with pytest.raises(TypeError, match="optimizers"):
         get_optimizer_state_dict(model, "adam")
     with pytest.raises(ValueError, match="param_groups"):
