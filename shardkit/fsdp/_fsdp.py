@@ -14,6 +14,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ._build import own_modules, prepare_buffers, shard_parameters
 from ._comm import group_info
 from ._options import FSDPOptions
+from ._state import (
+    clip_grad_norm,
+    load_sharded_state_dict,
+    param_fqns,
+    shard_metadata,
+    sharded_state_dict,
+)
 from ._unit import UnitState
 from ._wrap import auto_wrap
 
@@ -307,8 +314,6 @@ class FullyShardedDataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every shard by the global norm over all ranks; return it."""
-        from ._state import clip_grad_norm
-
         return clip_grad_norm(self, max_norm, norm_type)
 
     def get_shard_metadata(self) -> dict:
@@ -316,23 +321,18 @@ class FullyShardedDataParallel(nn.Module):
 
         Only plain containers, ``str`` and ``int``: it loads with ``weights_only=True``.
         """
-        from ._state import shard_metadata
-
         return shard_metadata(self)
 
     def _shardkit_sharded_state_dict(self) -> dict:
-        from ._state import sharded_state_dict
-
+        """Checkpoint protocol: unwrapped FQN -> ShardedTensor (see docs/architecture.md)."""
         return sharded_state_dict(self)
 
     def _shardkit_load_sharded_state_dict(self, state: dict) -> None:
-        from ._state import load_sharded_state_dict
-
+        """Checkpoint protocol: copy sharded or full values into the shards, in place."""
         load_sharded_state_dict(self, state)
 
     def _shardkit_param_fqns(self) -> dict[int, str]:
-        from ._state import param_fqns
-
+        """Checkpoint protocol: ``id(shard parameter)`` -> unwrapped FQN."""
         return param_fqns(self)
 
     def extra_repr(self) -> str:
