@@ -52,6 +52,21 @@ def _model(blocks: int, d: int):
     return nn.Sequential(*[Block() for _ in range(blocks)]), Block
 
 
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _state_bytes(model, opt) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state."""
+    n = 0
+    for p in model.parameters():
+        for t in (p, p.grad, *opt.state[p].values()):
+            if t is not None and hasattr(t, "numel"):
+                t = _local(t)
+                n += t.numel() * t.element_size()
+    return n
+
+
 def _worker(framework, rank, world, port, cfg, queue):
     os.environ.update(
         RANK=str(rank),
@@ -67,6 +82,8 @@ def _worker(framework, rank, world, port, cfg, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     baseline = _status_kb("VmRSS")
     model, block_cls = _model(cfg["blocks"], cfg["d"])
+    # unsharded parameters + gradients + two Adam moments, all fp32
+    full_bytes = sum(p.numel() for p in model.parameters()) * 4 * 4
     if framework == "shardkit":
         import functools
 
@@ -88,27 +105,34 @@ def _worker(framework, rank, world, port, cfg, queue):
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     times = []
-    for step in range(cfg["warmup"] + cfg["steps"]):
+    total = cfg["warmup"] + cfg["steps"]
+    for step in range(total):
         x = torch.randn(cfg["batch"], cfg["seq"], cfg["d"], generator=g)
         dist.barrier()
+        if framework == "shardkit" and step == total - 1:
+            from shardkit.fsdp._unit import GATHER_STATS
+
+            GATHER_STATS.reset()
         start = time.perf_counter()
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
+        if step == total - 1:
+            held = _state_bytes(model, opt)
         opt.zero_grad()
         dist.barrier()
         if step >= cfg["warmup"]:
             times.append(time.perf_counter() - start)
-    queue.put(
-        (
-            rank,
-            dict(
-                step_s=statistics.median(times),
-                peak_rss_mb=_status_kb("VmHWM") / 1024,
-                peak_above_baseline_mb=(_status_kb("VmHWM") - baseline) / 1024,
-            ),
-        )
+    figures = dict(
+        step_s=statistics.median(times),
+        peak_rss_mb=_status_kb("VmHWM") / 1024,
+        peak_above_baseline_mb=(_status_kb("VmHWM") - baseline) / 1024,
+        # this rank's parameter + gradient + Adam state, as a share of the unsharded total
+        state_share=held / full_bytes,
     )
+    if framework == "shardkit":
+        figures["max_units_gathered"] = GATHER_STATS.peak
+    queue.put((rank, figures))
     dist.destroy_process_group()
 
 
