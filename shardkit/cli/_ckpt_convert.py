@@ -14,8 +14,6 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 
-import torch
-
 from ._main import CliError
 
 __all__ = ["FORMATS_FROM", "FORMATS_TO", "cmd_convert", "cmd_diff", "detect_format"]
@@ -123,10 +121,12 @@ class _Source:
     """Per-key access to a checkpoint in any readable format, one tensor at a time."""
 
     def __init__(self, path: str) -> None:
+        import torch
+
         self.path = path
         self.format = detect_format(path)
         self.values: dict[str, object] = {}
-        self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.tensors: dict[str, tuple] = {}  # key -> (dtype or None, shape)
         if self.format == "shardkit":
             from ._ckpt import checkpoint_metadata
 
@@ -170,8 +170,10 @@ class _Source:
         """Every key: tensors and values."""
         return set(self.tensors) | set(self.values)
 
-    def tensor(self, key: str) -> torch.Tensor:
+    def tensor(self, key: str):
         """The full tensor stored under ``key``."""
+        import torch
+
         if self.format == "shardkit":
             from ..checkpoint import load
 
@@ -225,7 +227,9 @@ def _flatten(value, prefix: str = "") -> Iterator[tuple[str, object]]:
         yield prefix[:-1], value
 
 
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+def _max_abs_diff(a, b) -> float:
+    import torch
+
     if a.dtype == torch.bool or b.dtype == torch.bool:
         return float((a != b).sum().item())
     if a.numel() == 0:
