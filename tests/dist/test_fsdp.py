@@ -125,6 +125,7 @@ VARIANTS = {
     "bf16_fp32rs": dict(
         auto_wrap_policy=POLICY, compute_dtype=torch.bfloat16, fp32_reduce_scatter=True
     ),
+    "fp16": dict(auto_wrap_policy=POLICY, compute_dtype=torch.float16),
     "fp16_fp32rs": dict(
         auto_wrap_policy=POLICY, compute_dtype=torch.float16, fp32_reduce_scatter=True
     ),
@@ -209,7 +210,7 @@ def test_parity_with_single_process(world):
         # few sign-flipped updates on tiny gradients (the worst case is 2 * 5 steps); we
         # bound the mean drift at 1e-3 (a tenth of one step) and the worst element at 5
         # steps (measured: mean 5e-4, max 2.2e-2).
-        for name in ("bf16", "bf16_fp32rs", "fp16_fp32rs"):
+        for name in ("bf16", "bf16_fp32rs", "fp16", "fp16_fp32rs"):
             state = got[name][0]
             diffs = np.concatenate([np.abs(state[k] - ref[k]).ravel() for k in ref])
             assert diffs.mean() <= 1e-3, (name, diffs.mean())

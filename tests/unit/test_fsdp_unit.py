@@ -365,3 +365,40 @@ def test_consolidation_holds_one_rank_file_at_a_time(tmp_path, monkeypatch):
     torch.save(meta_lie, rank_file_name(prefix, 1, 3))
     with pytest.raises(ValueError, match="fake_rank-00000001-of-00000003.pth"):
         consolidate_sharded_model_checkpoints(prefix, "_rank-*-of-*.pth", save_model=False)
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    ],
+    ids=["sgd", "rmsprop", "adamw"],
+)
+def test_any_torch_optimizer(make_opt):
+    ref, model = _net(), FSDP(_net(), auto_wrap_policy=BLOCK_POLICY)
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    for m in (ref, model):
+        opt = make_opt(m.parameters())
+        for _ in range(3):
+            opt.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            opt.step()
+    got, want = _full_state(model), _full_state(ref)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0)
+
+
+def test_clip_grad_norm_inf_and_bad_arguments():
+    ref, model = _net(), FSDP(_net(), auto_wrap_policy=BLOCK_POLICY)
+    x = torch.randn(4, 5)
+    for m in (ref, model):
+        m(x).square().sum().backward()
+    want = nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type=float("inf"))
+    got = model.clip_grad_norm_(0.1, norm_type=float("inf"))
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="max_norm"):
+        model.clip_grad_norm_(-1.0)
+    with pytest.raises(ValueError, match="outermost"):
+        model.module.blocks[0].clip_grad_norm_(1.0)
