@@ -109,6 +109,8 @@ class Reducer:
             p.register_post_accumulate_grad_hook(_make_param_hook(ref, i))
             for i, p in enumerate(params)
         ]
+        # A dropped DDP must not leave hooks on the parameters of a module that lives on.
+        weakref.finalize(self, _remove_all, self.handles)
 
     # -- per iteration -------------------------------------------------------------
 
@@ -246,8 +248,12 @@ class Reducer:
             p.grad.copy_(view)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        _remove_all(self.handles)
+
+
+def _remove_all(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _make_param_hook(ref: weakref.ref, i: int):

@@ -1,5 +1,6 @@
-"""PowerSGD hooks on 2 ranks: exactness, bitwise agreement, error feedback, resume."""
+"""PowerSGD hooks on 2 and 3 ranks: exactness, bitwise agreement, error feedback, resume."""
 
+import pytest
 from harness import run_ranks
 
 
@@ -215,6 +216,7 @@ def _body(world):
     return report
 
 
-def test_powersgd_exact_bitwise_error_feedback_zero_resume():
-    reports = run_ranks(_body, 2, 2, timeout=120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_powersgd_exact_bitwise_error_feedback_zero_resume(world):
+    reports = run_ranks(_body, world, world, timeout=120)
     print(reports[0])

@@ -307,3 +307,15 @@ def test_gradient_after_marked_unused_is_an_error_not_silently_dropped():
         RuntimeError, match=r"'a\.\w+' received a gradient after it was marked unused"
     ):
         (first + second).sum().backward()
+
+
+def test_dropping_ddp_removes_its_parameter_hooks():
+    import gc
+
+    model = _mlp()
+    ddp = DDP(model)
+    assert all(p._post_accumulate_grad_hooks for p in model.parameters())
+    del ddp
+    gc.collect()
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    model(torch.randn(1, 6)).sum().backward()  # a plain backward still works
