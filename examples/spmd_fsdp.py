@@ -33,7 +33,7 @@ def build_model(dim: int = 24, hidden: int = 40, classes: int = 5) -> nn.Module:
     )
 
 
-def train(steps: int = 5, *, batch: int = 10, dim: int = 24) -> dict:
+def train(steps: int = 5, *, batch: int = 30, dim: int = 24) -> dict:
     """Train the model wrapped in SpmdFullyShardedDataParallel and on one device."""
     world = xr.world_size()
     mesh = xs.Mesh(np.arange(world), (world,), ("fsdp",))
@@ -55,12 +55,16 @@ def train(steps: int = 5, *, batch: int = 10, dim: int = 24) -> dict:
         with xs.count_collectives() as fwd:
             logits = model(x)
         loss = F.cross_entropy(logits, xs.mark_sharding(y, mesh, ("fsdp",))).full_tensor()
-        loss.backward()
+        with xs.count_collectives() as bwd:
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append((loss_ref.item(), loss.item()))
         if step == 0:
-            collectives = {f"{k}:{','.join(a)}": n for (k, a), n in fwd.calls.items()}
+            collectives = {
+                phase: {f"{k}:{','.join(a)}": n for (k, a), n in counts.calls.items()}
+                for phase, counts in (("forward", fwd), ("backward", bwd))
+            }
     specs = sorted({str(p.partition_spec) for p in model.parameters()})
     param_err = max(
         float((p.full_tensor() - r).detach().abs().max())
@@ -71,7 +75,7 @@ def train(steps: int = 5, *, batch: int = 10, dim: int = 24) -> dict:
         "param_specs": specs,
         "losses_ref_vs_fsdp": losses,
         "max_param_err": param_err,
-        "forward_collectives": collectives,
+        "collectives": collectives,
         "fallbacks": dict(xs.fallback_counts()),
     }
 

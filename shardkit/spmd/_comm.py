@@ -20,6 +20,7 @@ __all__ = [
     "CollectiveCounts",
     "count_collectives",
     "all_reduce",
+    "reduce_scatter",
     "all_gather_bytes",
     "all_to_all_bytes",
 ]
@@ -92,6 +93,20 @@ def all_reduce(
     record("all_reduce", _names(mesh, axes), tensor.numel() * tensor.element_size())
     dist.all_reduce(tensor, op=reduce_op, group=mesh.group(axes))
     return tensor
+
+
+def reduce_scatter(
+    out: torch.Tensor, inp: torch.Tensor, mesh: Mesh, axes: Sequence[int]
+) -> torch.Tensor:
+    """Sum ``inp`` (one equal-sized slot per group member, in rank order) over the mesh
+    ``axes`` and keep this rank's slot in ``out``. Counts the bytes bound for other ranks."""
+    size = _group_size(mesh, axes)
+    if size == 1:
+        return out.copy_(inp)
+    record("reduce_scatter", _names(mesh, axes), (size - 1) * out.numel() * out.element_size())
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, inp, op=dist.ReduceOp.SUM, group=mesh.group(axes))
+    return out
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -45,5 +45,9 @@ def test_spmd_fsdp_matches_one_device_and_gathers_per_layer(results):
     for ref, sharded in fsdp["losses_ref_vs_fsdp"]:
         assert abs(ref - sharded) < 1e-5
     assert fsdp["max_param_err"] < 1e-5
-    assert fsdp["forward_collectives"] == {"all_gather:fsdp": 8}  # one per parameter
+    # one all-gather per parameter forward; its gradient comes back by one reduce-scatter
+    assert fsdp["collectives"] == {
+        "forward": {"all_gather:fsdp": 8},
+        "backward": {"reduce_scatter:fsdp": 8},
+    }
     assert fsdp["fallbacks"] == {}

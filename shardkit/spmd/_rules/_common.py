@@ -103,10 +103,18 @@ def _element_size(x) -> int:
 
 
 def partial_cost(placement: Placement, shape: Sequence[int], elsize: int) -> int:
-    """Bytes an all-reduce resolving ``placement``'s partial axes would move (rough)."""
+    """Bytes all ranks together receive when ``placement``'s pending sums are resolved.
+
+    Counted like a reduce-scatter, ``(g - 1) / g`` of each rank's shard for a group of
+    ``g``: the cheapest way a pending value is resolved (into a sharded layout, as FSDP
+    gradients are); an all-reduce moves about twice that. Same unit as :func:`move_cost`.
+    """
     if not placement.partial:
         return 0
-    return 2 * placement.box(shape, (0,) * placement.mesh.ndim).numel * elsize
+    mesh = placement.mesh
+    group = math.prod(mesh.mesh_shape[a] for a, _ in placement.partial)
+    local = placement.box(shape, (0,) * mesh.ndim).numel * elsize
+    return (group - 1) * local * mesh.size // group
 
 
 def move_cost(x, dst: Placement) -> int:
