@@ -119,9 +119,9 @@ class Reducer:
         if self.armed and any(self.ready):
             missing = [self.names[i] for i, r in enumerate(self.ready) if not r]
             raise RuntimeError(
-                f"DDP: the previous backward finished without gradients for {missing}; "
-                f"construct DistributedDataParallel with find_unused_parameters=True when "
-                f"a forward does not use every parameter"
+                f"DDP: the previous backward did not finish its reduction (it raised, or "
+                f"produced no gradient for {missing}); construct DistributedDataParallel "
+                f"with find_unused_parameters=True when a forward does not use every parameter"
             )
         for b in self.buckets:
             b.pending = len(b.members)
