@@ -67,6 +67,17 @@ def _progress(total: int, initial: int, phase: int, enabled: bool):
     )
 
 
+def _init_process_group() -> torch.device:
+    """Join torchrun's group: NCCL on GPUs when each local rank can have its own,
+    gloo on the CPU otherwise (e.g. the default 2 ranks on a 1-GPU machine)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks:
+        xr.init()
+        return xr.device()
+    xr.init(backend="gloo")
+    return torch.device("cpu")
+
+
 def _evaluate(out_file: str, x_test, y_test) -> float:
     from safetensors.torch import load_file
 
@@ -78,13 +89,15 @@ def _evaluate(out_file: str, x_test, y_test) -> float:
 def run(args: argparse.Namespace) -> dict:
     """Train one phase; returns the report dict (meaningful on global rank 0)."""
     counter = CommCounter().install()
-    xr.init()
+    device = _init_process_group()
     rank, world = xr.global_ordinal(), xr.world_size()
     lead = rank == 0
     if args.batch_size < world:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than the world ({world})")
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
-    strategy = build_strategy(args.strategy, args.hook, make_mlp(args.seed), args.lr)
+    x_train, y_train = x_train.to(device), y_train.to(device)
+    model = make_mlp(args.seed).to(device)
+    strategy = build_strategy(args.strategy, args.hook, model, args.lr)
     model, optimizer = strategy.module, strategy.optimizer
     ckpts = DemoCheckpoints(args.ckpt_dir, args.save_every)
 
@@ -111,6 +124,8 @@ def run(args: argparse.Namespace) -> dict:
             loss_t = F.cross_entropy(model(x), y)
             loss_t.backward()
             optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # time the step, not its launch
         step_times.append(time.perf_counter() - t0)
         if step % 10 == 0 or step == args.steps - 1:
             loss = strategy.scalar(loss_t.detach())
