@@ -24,10 +24,16 @@ def rank_file_name(prefix: str, rank: int, world_size: int, suffix: str = ".pth"
     return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}{suffix}"
 
 
-def find_rank_files(ckpt_prefix: str, ckpt_suffix: str = "*.pth") -> list[str]:
-    """Every rank's file, in rank order; a missing, duplicate or stray file is an error."""
+def find_rank_files(
+    ckpt_prefix: str, ckpt_suffix: str = "*.pth", ignore: tuple[str, ...] = ()
+) -> list[str]:
+    """Every rank's file, in rank order; a missing, duplicate or stray file is an error.
+
+    ``ignore`` lists files to skip (a previous consolidation's output, say).
+    """
     pattern = ckpt_prefix + ckpt_suffix
-    paths = sorted(glob.glob(pattern))
+    skip = {os.path.abspath(p) for p in ignore if p}
+    paths = sorted(p for p in glob.glob(pattern) if os.path.abspath(p) not in skip)
     if not paths:
         raise FileNotFoundError(f"no checkpoint files match {pattern!r}")
     by_rank: dict[int, str] = {}
@@ -139,7 +145,8 @@ def consolidate_sharded_model_checkpoints(
         ``(full_state_dict, save_path)``; keys are the unwrapped model's names, with
         padding removed, ready for ``plain_model.load_state_dict``.
     """
-    paths = find_rank_files(ckpt_prefix, ckpt_suffix)
+    save_path = save_path or f"{ckpt_prefix}_consolidated.pth"
+    paths = find_rank_files(ckpt_prefix, ckpt_suffix, ignore=(save_path,))
     if progress:
         from tqdm import tqdm
 
@@ -151,7 +158,6 @@ def consolidate_sharded_model_checkpoints(
             return items
 
     full = _consolidate(paths, bar)
-    save_path = save_path or f"{ckpt_prefix}_consolidated.pth"
     if save_model:
         directory = os.path.dirname(save_path)
         if directory:

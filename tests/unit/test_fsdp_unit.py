@@ -263,6 +263,9 @@ def test_per_rank_checkpoint_consolidates(tmp_path):
     plain.load_state_dict(torch.load(path, weights_only=True)["model"])
     for k, v in _full_state(model).items():
         assert torch.equal(plain.state_dict()[k], v)
+    # a second run with the default suffix does not mistake its own output for a rank file
+    again, _ = consolidate_sharded_model_checkpoints(prefix)
+    assert all(torch.equal(again[k], full[k]) for k in full)
     # an extra rank file is named in the error
     torch.save({}, rank_file_name(prefix, 3, 1))
     with pytest.raises(ValueError, match="rank-00000003-of-00000001"):
