@@ -91,60 +91,22 @@ def _chunk_label(key: str, chunk: ChunkMeta) -> str:
 
 
 _scratch = threading.local()
-#: Scatter-read rows at least this long straight into strided destinations; shorter rows
-#: cost more in per-row Python overhead than a scratch read plus one strided copy.
-_SCATTER_MIN_ROW = 64 << 10
+#: Bytes read per call: a piece is hashed (and copied, when resharding) while it is still
+#: in the CPU cache, instead of streaming whole chunks through DRAM twice.
+_PIECE_BYTES = 1 << 20
 
 
 def _scratch_bytes(nbytes: int) -> torch.Tensor:
-    """A per-thread reusable byte buffer (fresh allocations page-fault on every load)."""
+    """A small per-thread reusable byte buffer."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < nbytes:
-        _scratch.buf = buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+        _scratch.buf = buf = torch.empty(max(nbytes, _PIECE_BYTES), dtype=torch.uint8)
     return buf[:nbytes]
 
 
-def _row_views(dest: torch.Tensor) -> list[memoryview] | None:
-    """One contiguous byte view per dim-0 row of a strided CPU destination, if it has them."""
-    if dest.ndim < 2 or dest.device.type != "cpu" or not dest[0].is_contiguous():
-        return None
-    storage = torch.empty(0, dtype=torch.uint8).set_(dest.untyped_storage())
-    whole = memoryview(storage.numpy())
-    size = dest.element_size()
-    row = dest[0].numel() * size
-    first, step = dest.storage_offset() * size, dest.stride(0) * size
-    return [whole[first + i * step : first + i * step + row] for i in range(dest.shape[0])]
-
-
-def _verify(item: ReadItem, views: list[memoryview], b0: int, rows_per_view: int) -> None:
-    """Check the checksum of each block b0.. against the bytes in ``views`` (in order)."""
-    chunk = item.chunk
-    per_block = max(1, chunk.block_rows // rows_per_view) if rows_per_view else 1
-    for n, start in enumerate(range(0, len(views), per_block)):
-        b = b0 + n
-        if b >= len(chunk.checksums):
-            raise CorruptCheckpointError(
-                f"{_chunk_label(item.key, chunk)}: block {b} has no checksum"
-            )
-        h = xxhash.xxh3_64()
-        for v in views[start : start + per_block]:
-            h.update(v)
-        got = h.hexdigest()
-        if got != chunk.checksums[b]:
-            rows = num_rows(chunk.box.sizes)
-            raise CorruptCheckpointError(
-                f"checksum mismatch in {_chunk_label(item.key, chunk)}, rows "
-                f"{b * chunk.block_rows}..{min((b + 1) * chunk.block_rows, rows)}: "
-                f"stored {chunk.checksums[b]}, read {got}"
-            )
-
-
-def _read(reader: StorageReader, item: ReadItem, offset: int, views: list[memoryview]) -> None:
+def _read(reader: StorageReader, item: ReadItem, offset: int, view: memoryview) -> None:
     try:
-        if len(views) == 1:
-            reader.read_into(item.chunk.file, offset, views[0])
-        else:
-            reader.read_into_many(item.chunk.file, offset, views)
+        reader.read_into(item.chunk.file, offset, view)
     except (FileNotFoundError, EOFError) as exc:
         raise CorruptCheckpointError(
             f"cannot read {_chunk_label(item.key, item.chunk)}: {exc}"
@@ -152,45 +114,59 @@ def _read(reader: StorageReader, item: ReadItem, offset: int, views: list[memory
 
 
 def _read_item(reader: StorageReader, planner: LoadPlanner, item: ReadItem, dtype) -> None:
+    """Read the chunk rows covering ``item.box`` piece by piece, verify every block they
+    touch, and put the overlap in place.
+
+    Rows are widened to whole checksum blocks. A piece inside the overlap lands straight in
+    a contiguous destination; otherwise it goes through a cache-sized scratch buffer.
+    """
     chunk, box = item.chunk, item.box
     rb = row_bytes(chunk.box.sizes, dtype.itemsize)
     rows = num_rows(chunk.box.sizes)
     r0 = box.offsets[0] - chunk.box.offsets[0] if box.ndim else 0
     r1 = r0 + box.sizes[0] if box.ndim else 1
-    b0, b1 = r0 // chunk.block_rows, math.ceil(r1 / chunk.block_rows)
-    start, stop = b0 * chunk.block_rows, min(b1 * chunk.block_rows, rows)
-    offset = chunk.offset + start * rb
     dest = planner.resolve_tensor(item)
-    whole = (start, stop) == (r0, r1) and tuple(box.sizes[1:]) == tuple(chunk.box.sizes[1:])
-    if whole and dest.device.type == "cpu" and dest.is_contiguous():
-        # the common case: the bytes land in the caller's tensor, no extra copy
-        view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
-        _read(reader, item, offset, [view])
-        block = chunk.block_rows * rb
-        _verify(
-            item, [view[i : i + block] for i in range(0, len(view), block)], b0, chunk.block_rows
-        )
-        return
-    scatter = whole and rb >= _SCATTER_MIN_ROW and hasattr(reader, "read_into_many")
-    row_views = _row_views(dest) if scatter else None
-    if row_views:  # strided destination rows (e.g. a column shard): scatter-read into them
-        _read(reader, item, offset, row_views)
-        _verify(item, row_views, b0, 1)
-        return
-    buf = _scratch_bytes((stop - start) * rb)
-    view = memoryview(buf.numpy())
-    _read(reader, item, offset, [view])
-    block = chunk.block_rows * rb
-    _verify(item, [view[i : i + block] for i in range(0, len(view), block)], b0, chunk.block_rows)
-    src = buf.view(dtype).reshape((stop - start, *chunk.box.sizes[1:]) if box.ndim else ())
-    if box.ndim:
-        inner = tuple(
-            slice(o - co, o - co + s)
-            for o, s, co in zip(box.offsets[1:], box.sizes[1:], chunk.box.offsets[1:])
-        )
-        src = src[(slice(r0 - start, r1 - start), *inner)]
-    with torch.no_grad():
-        dest.copy_(src)
+    if not box.ndim:
+        dest = dest.reshape(1)
+    inner = tuple(
+        slice(o - co, o - co + s)
+        for o, s, co in zip(box.offsets[1:], box.sizes[1:], chunk.box.offsets[1:])
+    )
+    direct = (
+        tuple(box.sizes[1:]) == tuple(chunk.box.sizes[1:])
+        and dest.device.type == "cpu"
+        and dest.is_contiguous()
+    )
+    out = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if direct else None
+    step = max(1, _PIECE_BYTES // max(1, rb))
+    block = chunk.block_rows
+    for b in range(r0 // block, math.ceil(r1 / block)):
+        if b >= len(chunk.checksums):
+            raise CorruptCheckpointError(
+                f"{_chunk_label(item.key, chunk)}: block {b} has no checksum"
+            )
+        digest = xxhash.xxh3_64()
+        bs, be = b * block, min((b + 1) * block, rows)
+        for ps in range(bs, be, step):
+            pe = min(ps + step, be)
+            lo, hi = max(ps, r0), min(pe, r1)
+            if direct and (lo, hi) == (ps, pe):
+                view = out[(ps - r0) * rb : (pe - r0) * rb]
+                _read(reader, item, chunk.offset + ps * rb, view)
+                digest.update(view)
+                continue
+            buf = _scratch_bytes((pe - ps) * rb)
+            _read(reader, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
+            digest.update(memoryview(buf.numpy()))
+            if lo < hi:
+                src = buf.view(dtype).reshape((pe - ps, *chunk.box.sizes[1:]))
+                with torch.no_grad():
+                    dest[lo - r0 : hi - r0].copy_(src[(slice(lo - ps, hi - ps), *inner)])
+        if digest.hexdigest() != chunk.checksums[b]:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {_chunk_label(item.key, chunk)}, rows "
+                f"{bs}..{be}: stored {chunk.checksums[b]}, read {digest.hexdigest()}"
+            )
 
 
 def _load_object(reader: StorageReader, key: str, metadata: Metadata) -> Any:

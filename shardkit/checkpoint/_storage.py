@@ -19,7 +19,6 @@ from ._format import METADATA_FILE
 #: Bytes per write() call: one huge write() stalls far longer in the kernel's dirty-page
 #: throttling than the same bytes in 1 MiB calls (measured 2-3x on ext4).
 _WRITE_CHUNK = 1 << 20
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 
 __all__ = ["StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader"]
 
@@ -241,50 +240,3 @@ class FileSystemReader(_FileSystem):
                 pos += n
         finally:
             os.close(fd)
-
-    def read_into_many(self, name: str, offset: int, outs: Sequence[memoryview]) -> None:
-        """Fill ``outs`` in order with consecutive bytes from ``offset`` (scatter read).
-
-        Optional for custom readers: it lets a chunk land straight in strided destination
-        rows instead of going through a scratch buffer.
-        """
-        views = [_as_bytes(o) for o in outs]
-        total = sum(len(v) for v in views)
-        if not self.local:
-            data = memoryview(self.fs.cat_file(self.join(name), start=offset, end=offset + total))
-            if len(data) != total:
-                raise EOFError(f"{name}: {len(data)} of {total} bytes at offset {offset}")
-            pos = 0
-            for v in views:
-                v[:] = data[pos : pos + len(v)]
-                pos += len(v)
-            return
-        fd = os.open(self.join(name), os.O_RDONLY)
-        try:
-            pos, i = offset, 0
-            while i < len(views):
-                batch = views[i : i + _IOV_MAX]
-                want = sum(len(v) for v in batch)
-                got = os.preadv(fd, batch, pos)
-                if got != want:  # short read: finish this batch one buffer at a time
-                    self._finish(fd, batch, pos, got, name)
-                pos += want
-                i += len(batch)
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _finish(fd: int, batch: list[memoryview], pos: int, got: int, name: str) -> None:
-        for v in batch:
-            if got >= len(v):
-                got -= len(v)
-                pos += len(v)
-                continue
-            rest = v[got:]
-            pos += got
-            got = 0
-            while rest:
-                n = os.preadv(fd, [rest], pos)
-                if n == 0:
-                    raise EOFError(f"{name}: file ends at byte {pos}")
-                rest, pos = rest[n:], pos + n
