@@ -10,6 +10,7 @@ from harness import run_ranks
 from test_spmd_rules_cases import (
     CASES,
     run_cases,
+    run_clip_grad_norm,
     run_fallback_ops,
     run_mlp_comm,
     run_optimizers,
@@ -20,7 +21,14 @@ TOL = 1e-4
 
 def _four_rank_checks():
     cases, fallbacks = run_cases(list(CASES))
-    return cases, fallbacks, run_optimizers(), run_mlp_comm(), run_fallback_ops()
+    return (
+        cases,
+        fallbacks,
+        run_optimizers(),
+        run_mlp_comm(),
+        run_fallback_ops(),
+        run_clip_grad_norm(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +88,10 @@ def test_fallback_ops_correct_and_counted(four_ranks):
     checks, fallbacks = four_ranks[4]
     assert checks == {"unique": True, "nonzero": True, "svd": True}
     assert fallbacks == {"_unique2": 1, "nonzero": 1, "_linalg_svd": 1}
+
+
+def test_clip_grad_norm_over_sharded_gradients(four_ranks):
+    norm_err, grad_err, layouts, fallbacks = four_ranks[5]
+    assert norm_err < 1e-6 and grad_err < 1e-6
+    assert layouts, "clipping changed a gradient's layout"
+    assert fallbacks == {}

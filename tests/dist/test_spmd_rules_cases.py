@@ -285,3 +285,37 @@ def run_fallback_ops(mesh_shape=(2, 2)):
             torch.allclose(p.full_tensor(), q, atol=1e-5) for p, q in ((u, ru), (s, rs), (vh, rvh))
         )
     return checks, dict(counts.fallbacks)
+
+
+def run_clip_grad_norm(mesh_shape=(2, 2)):
+    """clip_grad_norm_ over sharded gradients: the norm, the clipped grads and layouts."""
+    import copy
+
+    import shardkit.spmd as xs
+
+    mesh = _mesh(mesh_shape)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 5))
+    model = copy.deepcopy(ref)
+    specs = {"0.weight": (M, None), "0.bias": (M,), "2.weight": (None, M), "2.bias": (None,)}
+    for name, spec in specs.items():
+        idx, leaf = name.split(".")
+        setattr(model[int(idx)], leaf, xs.mark_sharding(getattr(model[int(idx)], leaf), mesh, spec))
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(7, 6, generator=gen), torch.randint(0, 5, (7,), generator=gen)
+    F.cross_entropy(ref(x), y).backward()
+    sx, sy = xs.mark_sharding(x, mesh, (D, None)), xs.mark_sharding(y, mesh, (D,))
+    F.cross_entropy(model(sx), sy).full_tensor().backward()
+    with xs.count_collectives() as counts:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    grad_err = max(
+        _err(p.grad.full_tensor(), q.grad) for p, q in zip(model.parameters(), ref.parameters())
+    )
+    layouts = all(p.grad.placement == p.placement for p in model.parameters())
+    return (
+        abs(norm.full_tensor().item() - ref_norm.item()),
+        grad_err,
+        layouts,
+        dict(counts.fallbacks),
+    )
