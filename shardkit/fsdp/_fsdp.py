@@ -247,11 +247,15 @@ class FullyShardedDataParallel(nn.Module):
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self._pre_backward()
 
-    def _pre_backward(self) -> None:
+    def _queue_finalize(self) -> None:
         root = self._root
         if not root._callback_queued:
             root._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(root._finalize_backward)
+
+    def _pre_backward(self) -> None:
+        root = self._root
+        self._queue_finalize()
         state = self._state
         if not state.params:
             return
@@ -268,6 +272,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _post_backward(self, grads) -> None:
         root = self._root
+        self._queue_finalize()  # also when no output hook ran (outputs pytree cannot see)
         state = self._state
         self._uses = max(self._uses - 1, 0)
         if state.trainable:

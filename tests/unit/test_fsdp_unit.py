@@ -405,3 +405,27 @@ def test_clip_grad_norm_inf_and_bad_arguments():
         model.clip_grad_norm_(-1.0)
     with pytest.raises(ValueError, match="outermost"):
         model.module.blocks[0].clip_grad_norm_(1.0)
+
+
+def test_outputs_pytree_cannot_see_still_get_gradients():
+    class Out:  # not a pytree node: FSDP cannot hook the tensor inside
+        def __init__(self, value):
+            self.value = value
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return Out(self.lin(x))
+
+    torch.manual_seed(0)
+    ref = Wrapped()
+    model = FSDP(copy.deepcopy(ref))
+    x = torch.randn(3, 4)
+    ref(x).value.square().sum().backward()
+    model(x).value.square().sum().backward()
+    assert not model._state.materialized
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
