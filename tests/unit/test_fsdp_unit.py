@@ -429,3 +429,22 @@ def test_outputs_pytree_cannot_see_still_get_gradients():
     assert not model._state.materialized
     for p, q in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+@pytest.mark.parametrize("zero3", [True, False])
+def test_two_forwards_then_one_backward(zero3):
+    """Siamese use: the root runs twice before a single backward over both graphs."""
+    ref = _net()
+    model = FSDP(_net(), auto_wrap_policy=BLOCK_POLICY, reshard_after_forward=zero3)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, model)]
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        a, b = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
+        for m, opt in zip((ref, model), opts):
+            opt.zero_grad()
+            (m(a) - m(b)).square().sum().backward()
+            opt.step()
+    got, want = _full_state(model), _full_state(ref)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0)
+    assert not any(u._state.materialized for u in _units(model))
