@@ -12,7 +12,13 @@ import json
 import torch
 from harness import run_ranks
 
-CONFIGS = [("fsdp", "none"), ("ddp", "none"), ("ddp", "fp16"), ("ddp", "powersgd"), ("spmd", "none")]
+CONFIGS = [
+    ("fsdp", "none"),
+    ("ddp", "none"),
+    ("ddp", "fp16"),
+    ("ddp", "powersgd"),
+    ("spmd", "none"),
+]
 STEPS, PREEMPT = 24, 12
 
 
@@ -64,8 +70,6 @@ def test_every_strategy_preempts_resumes_and_consolidates(tmp_path):
         if name != "ddp-powersgd":
             assert runs["resumed"]["weights"] == runs["straight"]["weights"], name
     # compressed hooks send fewer bytes per step than plain DDP
-    per_step = {
-        n: r["straight"]["reports"][0]["comm_bytes"] / STEPS for n, r in results.items()
-    }
+    per_step = {n: r["straight"]["reports"][0]["comm_bytes"] / STEPS for n, r in results.items()}
     assert per_step["ddp-fp16"] < 0.6 * per_step["ddp-none"]
     assert per_step["ddp-powersgd"] < per_step["ddp-none"]
