@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
 from ..spmd.layout import Box
 from ._errors import CorruptCheckpointError
@@ -81,14 +80,6 @@ def num_rows(sizes: Sequence[int]) -> int:
 def block_rows_for(sizes: Sequence[int], itemsize: int) -> int:
     """Rows per checksum block: about BLOCK_BYTES, at least one row."""
     return max(1, BLOCK_BYTES // max(1, row_bytes(sizes, itemsize)))
-
-
-def checksum_blocks(data: memoryview, block_bytes: int) -> list[str]:
-    """xxh3_64 hex digests of consecutive ``block_bytes`` slices of ``data``."""
-    return [
-        xxhash.xxh3_64_hexdigest(data[i : i + block_bytes])
-        for i in range(0, len(data), max(1, block_bytes))
-    ]
 
 
 # -- safetensors header -------------------------------------------------------------------

@@ -18,6 +18,7 @@ import xxhash
 
 from ..spmd.layout import Box
 from ._comm import Comm
+from ._errors import CheckpointError
 from ._flatten import Flat, flatten
 from ._format import (
     METADATA_FILE,
@@ -26,7 +27,6 @@ from ._format import (
     ObjectMeta,
     TensorMeta,
     block_rows_for,
-    checksum_blocks,
     decode_value,
     dtype_from_name,
     dtype_name,
@@ -40,6 +40,7 @@ from ._storage import FileSystemWriter, StorageWriter
 __all__ = ["save"]
 
 _OWN_PREFIXES = ("data-", "objects-", f"{METADATA_FILE}.tmp-")
+_PIECE_BYTES = 1 << 20
 _inflight_lock = threading.Lock()
 _inflight: Future | None = None
 
@@ -149,7 +150,7 @@ def _write_file(
 ) -> tuple[list[dict], int]:
     tensors = [data(item) for item in items]
     header = safetensors_header([(_tensor_name(i), i.dtype, i.box.sizes, i.nbytes) for i in items])
-    parts, records, pos = [memoryview(header)], [], len(header)
+    records, views, pos = [], [], len(header)
     for item, t in zip(items, tensors):
         view = bytes_view(t)
         assert len(view) == item.nbytes, (item, len(view))
@@ -167,15 +168,28 @@ def _write_file(
                 "block_rows": block_rows_for(item.box.sizes, item.dtype.itemsize),
             }
         )
-        parts.append(view)
+        views.append(view)
         pos += item.nbytes
-    # hash while the bytes go out: the write releases the GIL, xxhash does not
-    with ThreadPoolExecutor(1) as io:
-        written = io.submit(writer.write_file, name, parts)
-        for item, rec, view in zip(items, records, parts[1:]):
-            block = rec["block_rows"] * row_bytes(item.box.sizes, item.dtype.itemsize)
-            rec["xxh3_64"] = checksum_blocks(view, block)
-        written.result()
+
+    def pieces():
+        # each piece is hashed just before it is written, while it is cache-hot
+        yield memoryview(header)
+        for item, rec, view in zip(items, records, views):
+            block = max(1, rec["block_rows"] * row_bytes(item.box.sizes, item.dtype.itemsize))
+            sums = []
+            for start in range(0, len(view), block):
+                digest = xxhash.xxh3_64()
+                block_view = view[start : start + block]
+                for p in range(0, len(block_view), _PIECE_BYTES):
+                    piece = block_view[p : p + _PIECE_BYTES]
+                    digest.update(piece)
+                    yield piece
+                sums.append(digest.hexdigest())
+            rec["xxh3_64"] = sums
+
+    writer.write_file(name, pieces())
+    if any("xxh3_64" not in rec for rec in records):
+        raise CheckpointError(f"{writer!r}.write_file({name!r}) did not consume all its parts")
     return records, pos
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import fsspec
@@ -30,8 +30,12 @@ class StorageWriter(Protocol):
 
     thread_count: int
 
-    def write_file(self, name: str, parts: Sequence[memoryview]) -> None:
-        """Create file ``name`` holding ``parts`` back to back; durable when it returns."""
+    def write_file(self, name: str, parts: Iterable[memoryview]) -> None:
+        """Create file ``name`` holding ``parts`` back to back; durable when it returns.
+
+        ``parts`` is an iterator: consume it once, in order, to the end (checksums are
+        computed as it yields).
+        """
 
     def commit(self, metadata: bytes) -> None:
         """Publish the metadata file atomically: readers see all of it or none of it."""
@@ -114,7 +118,7 @@ class FileSystemWriter(_FileSystem):
                 self.fs.makedirs(self.root, exist_ok=True)
             self._made = True
 
-    def write_file(self, name: str, parts: Sequence[memoryview]) -> None:
+    def write_file(self, name: str, parts: Iterable[memoryview]) -> None:
         self._makedirs()
         if not self.local:
             with self.fs.open(self.join(name), "wb") as f:
