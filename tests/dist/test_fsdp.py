@@ -250,9 +250,10 @@ def _memory():
                 assert mp.full.untyped_storage().nbytes() == 0
                 padding += (mp.layout.padded_numel - mp.layout.local_numel(rank)) * 4
         for p in model.parameters():
-            mine += p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size()
+            # whole storages: a gradient that is a view into a bigger buffer counts in full
+            mine += p.untyped_storage().nbytes() + p.grad.untyped_storage().nbytes()
             for v in opt.state[p].values():
-                mine += v.numel() * v.element_size()
+                mine += v.untyped_storage().nbytes()
         out[zero3] = dict(
             mine=mine,
             padding=padding,
