@@ -228,3 +228,23 @@ def test_entry_points_as_subprocesses(ckpts, tmp_path):
     one_line_error(subprocess_shardkit("ckpt", "verify", missing, ok=(2,)), "does not exist")
     debug = subprocess_shardkit("--debug", "ckpt", "verify", missing, ok=(1,))
     assert "Traceback" in debug.stderr and "FileNotFoundError" in debug.stderr
+
+
+def test_fsspec_urls_work_like_paths():
+    # memory:// lives in this process, which is why this runs main() in-process
+    url = "memory://cli-test/run"
+    mgr = dist_cp.CheckpointManager(url, save_interval=1, chkpt_on_preemption=False)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((3, 2), float(step)), "note": "x"})
+    mgr.close()
+    rows = shardkit("ckpt", "ls", url).stdout.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["1", "2"]
+    info = json.loads(shardkit("ckpt", "inspect", "--json", f"{url}/step_00000002").stdout)
+    assert info["tensors"]["w"]["shape"] == [3, 2] and info["values"] == {"note": "x"}
+    assert shardkit("ckpt", "verify", f"{url}/step_00000002").stdout.startswith("OK")
+    diff = shardkit("ckpt", "diff", f"{url}/step_00000001", f"{url}/step_00000002", ok=(1,))
+    assert "max |a-b| = 1" in diff.stdout
+    shardkit("ckpt", "convert", f"{url}/step_00000002", "memory://cli-test/w.safetensors")
+    shardkit("ckpt", "convert", "memory://cli-test/w.safetensors", "memory://cli-test/back")
+    same = shardkit("ckpt", "diff", f"{url}/step_00000002", "memory://cli-test/back")
+    assert "identical: 2" in same.stdout
