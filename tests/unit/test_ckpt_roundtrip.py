@@ -279,3 +279,59 @@ def test_s3_round_trip_and_overwrite():
         dcp.load(target, storage_reader=dcp.FileSystemReader(url, storage_options=opts))
         assert target["w"].eq(2.0).all() and target["meta"] == {"epoch": 2}
         assert dcp.read_metadata(url, storage_options=opts).values == {"meta": {"epoch": 2}}
+
+
+class _DictStore:
+    """A user-written store: both protocols over a dict of bytes."""
+
+    thread_count = 1
+
+    def __init__(self):
+        self.files = {}
+
+    def write_file(self, name, parts):
+        self.files[name] = b"".join(bytes(p) for p in parts)
+
+    def commit(self, metadata):
+        self.files["metadata.json"] = bytes(metadata)
+
+    def list_files(self):
+        return sorted(self.files)
+
+    def remove_files(self, names):
+        for n in names:
+            self.files.pop(n, None)
+
+    def read_metadata(self):
+        if "metadata.json" not in self.files:
+            raise FileNotFoundError("metadata.json")
+        return self.files["metadata.json"]
+
+    def file_size(self, name):
+        if name not in self.files:
+            raise FileNotFoundError(name)
+        return len(self.files[name])
+
+    def read_into(self, name, offset, out):
+        data = self.files[name][offset : offset + len(out)]
+        if len(data) != len(out):
+            raise EOFError(name)
+        memoryview(out).cast("B")[:] = data
+
+
+def test_user_written_storage_gets_checksums_and_commit():
+    store = _DictStore()
+    assert isinstance(store, dcp.StorageWriter) and isinstance(store, dcp.StorageReader)
+    sd = {"w": torch.randn(33, 5), "k": [1, 2]}
+    dcp.save(sd, storage_writer=store)
+    dcp.save(sd, storage_writer=store)  # the first save's data file is superseded
+    assert len(store.files) == 2
+    target = {"w": torch.zeros(33, 5), "k": None}
+    dcp.load(target, storage_reader=store)
+    assert torch.equal(target["w"], sd["w"]) and target["k"] == [1, 2]
+    name = next(n for n in store.files if n.startswith("data-"))
+    raw = bytearray(store.files[name])
+    raw[-1] ^= 1
+    store.files[name] = bytes(raw)
+    with pytest.raises(dcp.CorruptCheckpointError, match=f"checksum mismatch.*'w'.*{name}"):
+        dcp.load(target, storage_reader=store)
