@@ -24,7 +24,7 @@ from ._main import CliError
 
 __all__ = ["DESCRIPTION", "add_arguments", "run_demo", "torchrun_command"]
 
-DESCRIPTION = __doc__.split("\n\n", 1)[1] + (
+DESCRIPTION = __doc__.split("\n\n", 1)[1].replace("``", "") + (
     "\nMulti-machine: run the same command on every machine with --nnodes, --node-rank, "
     "--master-addr, --master-port and an --out directory they all share; phase 2 uses "
     "--master-port + 1. See docs/cli.md."
@@ -47,8 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=_positive, default=300, help="training steps (300)")
     parser.add_argument("--batch-size", type=_positive, default=64, help="global batch (64)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    parser.add_argument("--save-every", type=_positive, default=50, help="checkpoint interval")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (0.003)")
+    parser.add_argument(
+        "--save-every", type=_positive, default=50, help="checkpoint every N steps (50)"
+    )
     parser.add_argument(
         "--no-preempt", action="store_true", help="skip the simulated preemption (one phase)"
     )
@@ -140,7 +142,7 @@ def summarize(reports: list[dict], wall: float) -> str:
     name = last["strategy"] + (f" + {last['hook']} hook" if last["hook"] != "none" else "")
     lines = [
         "shardkit demo summary",
-        f"  strategy            {name}, {last['world_size']} ranks",
+        f"  strategy            {name}, {last['world_size']} rank{'s' if last['world_size'] != 1 else ''}",
     ]
     for r in reports:
         note = f"steps {r['start_step']}..{r['last_step']}"
