@@ -2,7 +2,7 @@
 
 Same MLP (fc1 column-parallel, GELU, fc2 row-parallel), same input, forward + backward,
 on 2 and 4 gloo ranks of this machine, in one run. The two implementations alternate
-rounds so drift in machine load hits both. Bytes are what one rank hands to collectives
+rounds (ABBA order) so drift in machine load hits both. Bytes are what one rank hands to collectives
 in one step: for shardkit from ``count_collectives``, for DTensor from a dispatch mode
 that sums the input bytes of the functional collectives it issues (same definition:
 an all-reduce counts its tensor, an all-gather the local shard).
@@ -137,8 +137,9 @@ def _worker(rank, world, port, cfg, queue):
                 step()
             comm[name] = (counter.calls, counter.bytes, str(counter.ops))
     times = {name: [] for name in steps}
-    for _ in range(cfg["repeats"]):
-        for name, step in steps.items():
+    for round_ in range(cfg["repeats"]):
+        order = list(steps.items())
+        for name, step in order if round_ % 2 == 0 else order[::-1]:  # ABBA: no order bias
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(cfg["inner"]):
@@ -188,7 +189,7 @@ def main(argv=None) -> None:
     if args.quick:
         cfg = {"dim": 64, "hidden": 256, "batch": 16, "repeats": 3, "inner": 2}
     else:
-        cfg = {"dim": 1024, "hidden": 4096, "batch": 64, "repeats": 7, "inner": 5}
+        cfg = {"dim": 1024, "hidden": 4096, "batch": 64, "repeats": 10, "inner": 5}
     rows = [run(world, cfg) for world in (2, 4)]
     for r in rows:
         print(

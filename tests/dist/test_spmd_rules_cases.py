@@ -80,6 +80,16 @@ CASES = {
         [((11, 6), (M, None)), ((5, 3), (D, None), "idx", 11)],
         lambda w, i: F.embedding(i, w),
     ),
+    "embedding_vocab_padding": (
+        [((11, 6), (M, None)), ((5, 3), (D, None), "idx", 11)],
+        lambda w, i: F.embedding(i, w, padding_idx=3),
+    ),
+    "cross_entropy_weighted": (
+        [((6, 7), (D, M)), ((6,), (D,), "idx", 7)],
+        lambda x, t: F.cross_entropy(
+            x, torch.where(t == 2, 9, t), weight=torch.linspace(0.5, 2.0, 7), ignore_index=9
+        ),
+    ),
     "dropout": ([((5, 7), (D, M))], lambda x: F.dropout(x, 0.4, training=True)),
     "cross_entropy_mean": (
         [((5, 7), (D, M)), ((5,), (D,), "idx", 7)],

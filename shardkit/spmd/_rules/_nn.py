@@ -110,7 +110,6 @@ def _layer_norm_backward(func, args, kwargs):
 @register_rule(aten.embedding.default)
 def _embedding(func, args, kwargs):
     weight, indices = args[0], args[1]
-    padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
     mesh = _mesh(weight, indices)
     w_spec = _spec_of(weight)
     vocab_axes, dim_axes = w_spec
@@ -133,8 +132,6 @@ def _embedding(func, args, kwargs):
         local = local_w.new_zeros(tuple(local_i.shape) + (local_w.shape[1],))
     else:
         local = func(local_w, shifted).masked_fill(outside.unsqueeze(-1), 0)
-    if padding_idx is not None and padding_idx >= 0:
-        local = local.masked_fill((local_i == padding_idx).unsqueeze(-1), 0)
     partial = tuple((a, "sum") for a in vocab_axes)
     return wrap(local, Placement(mesh, i_spec + (dim_axes,), partial), out_shape)
 
@@ -204,7 +201,7 @@ def _nll_forward(func, args, kwargs):
     if lw is None:
         total = valid.sum().to(lx.dtype)
     else:
-        total = (lw[lt.clamp(min=0)] * valid).sum().to(lx.dtype)
+        total = (lw[torch.where(valid, lt, 0)] * valid).sum().to(lx.dtype)
     _comm.all_reduce(total, mesh, sorted(axes), "sum")
     if reduction == 1:  # mean over the global weight
         out = out / total
