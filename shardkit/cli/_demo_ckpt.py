@@ -22,13 +22,17 @@ __all__ = ["DemoCheckpoints"]
 class DemoCheckpoints:
     """Save, restore, preemption and consolidation for the demo's training loop."""
 
-    def __init__(self, path: str, save_interval: int) -> None:
+    def __init__(self, path: str, save_interval: int, hook_state=None) -> None:
         self.path = path
         self.mgr = CheckpointManager(path, save_interval, max_to_keep=2)
+        self.hook_state = hook_state  # a PowerSGDState, checkpointed with the model
 
     def _state(self, module, optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(module, optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.hook_state is not None:
+            state["powersgd"] = _powersgd_state(self.hook_state)
+        return state
 
     def restore_latest(self, module, optimizer) -> int | None:
         """Load the latest committed step into ``module``/``optimizer``; its number."""
@@ -36,11 +40,16 @@ class DemoCheckpoints:
         if step is None:
             return None
         prime_optimizer(optimizer)  # Adam's moments must exist to be loaded in place
-        state = self._state(module, optimizer)
+        model_sd, optim_sd = get_state_dict(module, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.hook_state is not None:
+            state["powersgd"] = _powersgd_slots(read_metadata(self.step_path(step)))
         self.mgr.restore(step, state)
         set_state_dict(
             module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
+        if self.hook_state is not None:
+            _set_powersgd_state(self.hook_state, state["powersgd"])
         return step
 
     def save(self, step: int, module, optimizer, *, force: bool = False) -> float | None:
@@ -83,6 +92,64 @@ class DemoCheckpoints:
             warnings.simplefilter("ignore", UserWarning)
             load({"model": _nest(model)}, checkpoint_id=ckpt, strict=False)
         save_file({k.removeprefix("model."): v for k, v in model.items()}, out_file)
+
+
+# PowerSGD's memory: the error-feedback residual differs per rank, so every per-bucket
+# tensor is saved as one row per rank of a ShardedTensor (row r = rank r's tensor); the
+# warm-start P/Q memories are saved the same way for simplicity. The iteration counter
+# and the original shapes are JSON values.
+_MEMORIES = ("error_dict", "p_memory_dict", "q_memory_dict")
+
+
+def _rank_mesh():
+    from .. import runtime as xr
+    from .. import spmd as xs
+
+    world = xr.world_size()
+    return xs.Mesh(list(range(world)), (world,), ("rank",)), world
+
+
+def _powersgd_state(hook_state) -> dict:
+    from .. import spmd as xs
+
+    mesh, world = _rank_mesh()
+    out: dict = {"iter": hook_state.iter, "shapes": {}}
+    for name in _MEMORIES:
+        for index, tensor in getattr(hook_state, name).items():
+            key = f"{name}-{index}"
+            row = tensor.detach().reshape(1, -1)
+            out[key] = xs.ShardedTensor.from_local(row, mesh, ("rank", None), (world, row.shape[1]))
+            out["shapes"][key] = list(tensor.shape)
+    return out
+
+
+def _powersgd_slots(metadata) -> dict:
+    """Tensors to load the saved PowerSGD memory into, shaped as the checkpoint says."""
+    from .. import spmd as xs
+
+    mesh, world = _rank_mesh()
+    prefix = "powersgd."
+    out: dict = {"iter": 0, "shapes": {}}
+    for key, meta in metadata.tensors.items():
+        if key.startswith(prefix):
+            if meta.shape[0] != world:
+                raise ValueError(
+                    f"the checkpoint's PowerSGD memory was saved by {meta.shape[0]} ranks; "
+                    f"it cannot resume on {world}"
+                )
+            local = torch.empty(1, meta.shape[1], dtype=meta.dtype)
+            out[key[len(prefix) :]] = xs.ShardedTensor.from_local(
+                local, mesh, ("rank", None), tuple(meta.shape)
+            )
+    return out
+
+
+def _set_powersgd_state(hook_state, loaded: dict) -> None:
+    hook_state.iter = int(loaded["iter"])
+    for key, shape in loaded["shapes"].items():
+        name, index = key.rsplit("-", 1)
+        local = loaded[key].local_tensor().detach().reshape(shape).clone()
+        getattr(hook_state, name)[int(index)] = local
 
 
 def _nest(flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -187,6 +187,7 @@ class Strategy:
     optimizer: torch.optim.Optimizer
     shard_batch: Callable[[torch.Tensor, torch.Tensor, int], tuple]
     scalar: Callable[[torch.Tensor], float]
+    hook_state: object = None
 
 
 def _local_batch(x, y, global_batch):
@@ -198,6 +199,7 @@ def _ddp(model: nn.Module, hook: str, lr: float) -> Strategy:
     from ..ddp.comm_hooks import default_hooks
 
     ddp = DistributedDataParallel(model)
+    state = None
     if hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook == "powersgd":
@@ -208,7 +210,7 @@ def _ddp(model: nn.Module, hook: str, lr: float) -> Strategy:
         )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=lr)
-    return Strategy("ddp", ddp, optimizer, _local_batch, lambda t: t.item())
+    return Strategy("ddp", ddp, optimizer, _local_batch, lambda t: t.item(), state)
 
 
 def _fsdp(model: nn.Module, lr: float) -> Strategy:

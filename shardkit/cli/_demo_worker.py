@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     model = make_mlp(args.seed).to(device)
     strategy = build_strategy(args.strategy, args.hook, model, args.lr)
     model, optimizer = strategy.module, strategy.optimizer
-    ckpts = DemoCheckpoints(args.ckpt_dir, args.save_every)
+    ckpts = DemoCheckpoints(args.ckpt_dir, args.save_every, strategy.hook_state)
 
     start = 0
     resumed = ckpts.restore_latest(model, optimizer)
