@@ -186,9 +186,6 @@ def run_demo(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # shardkit.ddp compares a str hash() across ranks when wrapping; without a shared
-    # seed every torchrun worker hashes differently (forked test ranks do not notice).
-    env.setdefault("PYTHONHASHSEED", "0")
     if args.nnodes == 1:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     worker = [
