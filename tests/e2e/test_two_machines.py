@@ -93,5 +93,20 @@ def test_demo_trains_checkpoints_and_resumes_across_two_namespaces(namespaces, t
     accuracy = float(next(x for x in node0.splitlines() if "accuracy" in x).split()[1])
     assert 0.5 < accuracy <= 1.0  # 40 steps: learning happened; `make demo` checks >= 0.95
     assert (out / "model.safetensors").is_file()
+    for node in range(2):  # the ranks really talked over the veth pair
+        sent = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns[node],
+                "cat",
+                f"/sys/class/net/{veth[node]}/statistics/tx_bytes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert int(sent.stdout) > 100_000, (node, sent.stdout, sent.stderr)
     steps = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert steps == ["step_00000030", "step_00000039"]  # the demo keeps the newest two
