@@ -52,7 +52,10 @@ def namespaces():
             result = _ip(*step)
             if step[:2] == ("netns", "add") and result.returncode == 0:
                 made.append(step[2])
-            assert result.returncode == 0, f"ip {' '.join(step)}: {result.stderr}"
+            if result.returncode != 0:  # the environment, not shardkit: say why and skip
+                pytest.skip(
+                    f"cannot build the two namespaces: ip {' '.join(step)}: {result.stderr}"
+                )
         yield ns, veth
     finally:
         for name in made:  # deleting a namespace also deletes the veth end inside it
