@@ -156,6 +156,7 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     med = statistics.median
     out["shardkit"] = {k: med(v) for k, v in sk.items()}
     out["torch"] = {k: med(v) for k, v in th.items()}
+    out["samples"] = {"shardkit": sk, "torch": th}
     out["memcpy_state"] = med(memcpy["state"])
     out["memcpy_share"] = med(memcpy["share"])
     return out
@@ -236,6 +237,10 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "shardkit_s": sk,
         "torch_s": th,
+        "samples_s_rank0": {
+            lib: {k: [round(x, 3) for x in v] for k, v in d.items()}
+            for lib, d in r0["samples"].items()
+        },
         "memcpy_s": {"rank_state": r0["memcpy_state"], "rank_share": r0["memcpy_share"]},
         "bytes_rank0": {"state": r0["state_bytes_rank"], "share": r0["rank_share_bytes"]},
         "reshard_load_s": {"same_layout": re_same, "4_to_2": re_resharded},
