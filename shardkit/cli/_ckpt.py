@@ -235,12 +235,38 @@ def _blocks(chunk, itemsize: int):
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Re-hash every block of every chunk (and pickled object); exit 1 naming the failures."""
+    """Re-hash every block of every chunk (and pickled object); exit 1 naming the failures.
+
+    A CheckpointManager directory verifies each of its committed steps in turn.
+    """
+    fs, root = require_exists(args.path)
+    steps = {} if fs.exists(f"{root}/{METADATA_FILE}") else _step_dirs(fs, root)
+    if not steps:
+        return _verify_one(args.path, args.no_progress)
+    from ..checkpoint import is_committed
+
+    bad = []
+    for step in sorted(steps):
+        url = f"{args.path.rstrip('/')}/{steps[step]}"
+        if not is_committed(url):
+            print(f"skipped {url}: incomplete (never committed, never loaded)")
+            continue
+        try:
+            _verify_one(url, args.no_progress)
+        except VerifyFailed as exc:
+            bad.append(str(exc))
+    if bad:
+        more = f" (and {len(bad) - 1} more steps)" if len(bad) > 1 else ""
+        raise VerifyFailed(f"{bad[0]}{more}")
+    return 0
+
+
+def _verify_one(path: str, no_progress: bool) -> int:
     import xxhash
     from tqdm import tqdm
 
-    md = checkpoint_metadata(args.path)
-    fs, root = fs_and_path(args.path)
+    md = checkpoint_metadata(path)
+    fs, root = fs_and_path(path)
     failures: list[str] = []
     for name, size in sorted(md.files.items()):
         full = f"{root}/{name}"
@@ -259,7 +285,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         unit_scale=True,
         desc="verify",
         file=sys.stderr,
-        disable=args.no_progress,
+        disable=no_progress,
         mininterval=0.2,
     )
     handles: dict[str, object] = {}
@@ -309,9 +335,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for line in failures:
             print(f"FAILED {line}", file=sys.stderr)
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        raise VerifyFailed(f"{args.path}: {failures[0]}{more}")
+        raise VerifyFailed(f"{path}: {failures[0]}{more}")
     chunks = sum(len(t.chunks) for t in md.tensors.values())
-    print(
-        f"OK {args.path}: {len(md.tensors)} tensors, {chunks} chunks, {human_bytes(total)} verified"
-    )
+    print(f"OK {path}: {len(md.tensors)} tensors, {chunks} chunks, {human_bytes(total)} verified")
     return 0

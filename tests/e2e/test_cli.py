@@ -146,6 +146,9 @@ def test_ls_lists_manager_steps_with_times_and_sizes(tmp_path):
         md = dist_cp.read_metadata(str(run / f"step_{int(r[0]):08d}"))
         assert r[1] == md.created and r[-1] == "committed" and r[3] == "B"
     assert rows[3][1] == "-" and "incomplete" in out[4]
+    # verify on the run directory checks every committed step and skips the incomplete one
+    checked = shardkit("ckpt", "verify", "--no-progress", run).stdout.splitlines()
+    assert [x.split()[0] for x in checked] == ["OK", "OK", "OK", "skipped"]
     one_line_error(shardkit("ckpt", "ls", run / "step_00000010", ok=(2,)), "single checkpoint")
     one_line_error(shardkit("ckpt", "inspect", run, ok=(2,)), "CheckpointManager directory")
 
