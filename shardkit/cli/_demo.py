@@ -186,8 +186,8 @@ def run_demo(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    if args.nnodes == 1:
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if args.nnodes == 1 and sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback (macOS calls it lo0)
     worker = [
         *("--strategy", args.strategy, "--hook", args.hook, "--steps", str(args.steps)),
         *("--batch-size", str(args.batch_size), "--lr", str(args.lr)),
