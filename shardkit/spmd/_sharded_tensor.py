@@ -23,6 +23,23 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _global_strides(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of the global tensor laid out in the local shard's dim order.
+
+    Autograd formulas pick their kernels from the strides they see (mm backward, for
+    example, keeps a transposed weight's gradient transposed); reporting the local
+    layout keeps those choices the ones single-device torch makes.
+    """
+    if local.ndim != len(shape) or local.is_contiguous():
+        return _contiguous_strides(shape)
+    order = sorted(range(local.ndim), key=lambda d: local.stride(d), reverse=True)
+    strides, acc = [0] * local.ndim, 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= max(int(shape[d]), 1)
+    return tuple(strides)
+
+
 class ShardedTensor(torch.Tensor):
     """A global tensor laid out over a :class:`Mesh` by a partition spec.
 
@@ -49,7 +66,7 @@ class ShardedTensor(torch.Tensor):
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             shape,
-            strides=_contiguous_strides(shape),
+            strides=_global_strides(local, shape),
             dtype=local.dtype,
             device=local.device,
             requires_grad=requires_grad,
