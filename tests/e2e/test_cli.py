@@ -216,6 +216,10 @@ def test_bad_inputs_give_one_line_and_debug_gives_traceback(ckpts, tmp_path):
     junk.write_bytes(b"hello world, not a checkpoint")
     one_line_error(shardkit("ckpt", "convert", junk, tmp_path / "x", ok=(2,)), "cannot tell")
     one_line_error(shardkit("ckpt", "inspect", junk, ok=(2,)), "not a shardkit checkpoint")
+    # demo options that cannot work are refused before anything starts
+    one_line_error(shardkit("demo", "--hook", "fp16", ok=(2,)), "--strategy ddp only")
+    one_line_error(shardkit("demo", "--nnodes", "2", ok=(2,)), "--master-addr", "--out")
+    one_line_error(shardkit("demo", "--nproc", "4", "--batch-size", "2", ok=(2,)), "--batch-size 2")
     # --debug re-raises instead, on either side of the subcommand
     for args in (["--debug", "ckpt", "inspect", missing], ["ckpt", "inspect", "--debug", missing]):
         with pytest.raises(FileNotFoundError):
