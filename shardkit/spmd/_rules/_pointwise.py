@@ -28,6 +28,32 @@ _MUL = {"mul", "div"}
 _UNARY_LINEAR = {"neg", "positive"}
 
 
+def _flatten(args: tuple, kwargs: dict):
+    """Pointwise ops almost always take flat arguments: skip pytree for them."""
+    if not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args):
+        return list(args), None, len(args)
+    flat, tree, num_positional = _flatten(args, kwargs)
+    return flat, tree, len(tree_flatten(args)[0])
+
+
+def _unflatten(flat: list, tree):
+    if tree is None:
+        return tuple(flat), {}
+    return tree_unflatten(flat, tree)
+
+
+def _broadcast(shapes) -> tuple:
+    """torch.broadcast_shapes without its overhead (shapes are already valid)."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for shape in shapes:
+        off = ndim - len(shape)
+        for i, size in enumerate(shape):
+            if size != 1:
+                out[i + off] = size
+    return tuple(out)
+
+
 def is_inplace(func) -> bool:
     args = func._schema.arguments
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
@@ -71,13 +97,13 @@ def _plan(func, sts, out_spec, first) -> tuple[tuple, bool]:
 def pointwise_rule(func, args, kwargs):
     if "out" in kwargs:
         return NotImplemented
-    flat, tree = tree_flatten((args, kwargs))
+    flat, tree, num_positional = _flatten(args, kwargs)
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     sts = [x for x in tensors if is_st(x)]
     mesh = sts[0]._placement.mesh
     if any(st._placement.mesh != mesh for st in sts):
         return NotImplemented
-    out_shape = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
+    out_shape = _broadcast([tuple(t.shape) for t in tensors])
     inplace = is_inplace(func)
     first = args[0]
     if inplace:
@@ -114,7 +140,6 @@ def pointwise_rule(func, args, kwargs):
     zero_others = leader_only and not is_partial_leader(out_placement)
 
     req_of = {id(st): req for st, req in zip(sts, reqs)}
-    num_positional = len(tree_flatten(args)[0])
     local_flat = []
     for index, x in enumerate(flat):
         if is_st(x):
@@ -135,7 +160,7 @@ def pointwise_rule(func, args, kwargs):
         else:
             value = x
         local_flat.append(value)
-    l_args, l_kwargs = tree_unflatten(local_flat, tree)
+    l_args, l_kwargs = _unflatten(local_flat, tree)
     out = func(*l_args, **l_kwargs)
     if inplace:
         first._placement = out_placement
