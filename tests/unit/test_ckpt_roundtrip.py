@@ -335,3 +335,19 @@ def test_user_written_storage_gets_checksums_and_commit():
     store.files[name] = bytes(raw)
     with pytest.raises(dcp.CorruptCheckpointError, match=f"checksum mismatch.*'w'.*{name}"):
         dcp.load(target, storage_reader=store)
+
+
+def test_row_slice_starting_mid_block_mixes_scratch_and_direct_reads(tmp_path, monkeypatch):
+    monkeypatch.setattr(_format, "BLOCK_BYTES", 64)  # 4 rows of 4 floats per block
+    full = torch.arange(40.0).reshape(10, 4)
+    dcp.save({"w": full}, checkpoint_id=tmp_path)
+
+    class RowsPlanner(dcp.DefaultLoadPlanner):
+        def set_up_planner(self, flat, metadata, *, strict):
+            leaf = flat.tensors["w"]
+            leaf.shape, leaf.box = (10, 4), Box((2, 0), (7, 4))  # rows 2..8: mid-block to mid-block
+            super().set_up_planner(flat, metadata, strict=strict)
+
+    dest = torch.zeros(7, 4)
+    dcp.load({"w": dest}, checkpoint_id=tmp_path, planner=RowsPlanner())
+    assert torch.equal(dest, full[2:9])
