@@ -32,7 +32,7 @@ def _flatten(args: tuple, kwargs: dict):
     """Pointwise ops almost always take flat arguments: skip pytree for them."""
     if not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args):
         return list(args), None, len(args)
-    flat, tree, num_positional = _flatten(args, kwargs)
+    flat, tree = tree_flatten((args, kwargs))
     return flat, tree, len(tree_flatten(args)[0])
 
 
