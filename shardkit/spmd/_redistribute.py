@@ -63,6 +63,8 @@ def _reduce_scatter(
         local[dst.box_of_rank(global_shape, r).relative_to(mine)].reshape(-1) for r in members
     ]
     slot = max(p.numel() for p in pieces)
+    if slot == 0:  # an empty tensor: nothing to reduce
+        return None
     buf = local.new_zeros(len(members) * slot)
     for i, piece in enumerate(pieces):
         buf[i * slot : i * slot + piece.numel()] = piece

@@ -14,6 +14,7 @@ from test_spmd_rules_cases import (
     run_fallback_ops,
     run_mlp_comm,
     run_optimizers,
+    run_reduce_scatter,
 )
 
 TOL = 1e-4
@@ -28,6 +29,7 @@ def _four_rank_checks():
         run_mlp_comm(),
         run_fallback_ops(),
         run_clip_grad_norm(),
+        run_reduce_scatter(),
     )
 
 
@@ -95,3 +97,10 @@ def test_clip_grad_norm_over_sharded_gradients(four_ranks):
     assert norm_err < 1e-6 and grad_err < 1e-6
     assert layouts, "clipping changed a gradient's layout"
     assert fallbacks == {}
+
+
+def test_pending_sum_resolves_by_reduce_scatter_when_sharded(four_ranks):
+    err_scatter, err_reduce, scatter_calls, reduce_calls = four_ranks[6]
+    assert err_scatter < 1e-5 and err_reduce < 1e-5
+    assert scatter_calls == {("reduce_scatter", ("data",)): 1}
+    assert reduce_calls == {("all_reduce", ("data",)): 1}

@@ -329,3 +329,23 @@ def run_clip_grad_norm(mesh_shape=(2, 2)):
         layouts,
         dict(counts.fallbacks),
     )
+
+
+def run_reduce_scatter(mesh_shape=(2, 2)):
+    """A sum pending over 'data' wanted sharded over 'data' (uneven rows) resolves by one
+    reduce-scatter; wanted replicated, by one all-reduce."""
+    import shardkit.spmd as xs
+
+    mesh = _mesh(mesh_shape)
+    x = torch.randn(4, 5, 3, generator=torch.Generator().manual_seed(6))
+    sx = xs.mark_sharding(x, mesh, (D, None, M))
+    with xs.count_collectives() as scatter:
+        sharded = sx.sum(0).redistribute((D, M))
+    with xs.count_collectives() as reduce:
+        replicated = sx.sum(0).redistribute((None, M))
+    return (
+        _err(sharded.full_tensor(), x.sum(0)),
+        _err(replicated.full_tensor(), x.sum(0)),
+        dict(scatter.calls),
+        dict(reduce.calls),
+    )
