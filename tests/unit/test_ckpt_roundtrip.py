@@ -351,3 +351,13 @@ def test_row_slice_starting_mid_block_mixes_scratch_and_direct_reads(tmp_path, m
     dest = torch.zeros(7, 4)
     dcp.load({"w": dest}, checkpoint_id=tmp_path, planner=RowsPlanner())
     assert torch.equal(dest, full[2:9])
+
+
+def test_thread_count_writes_several_files_and_reads_in_parallel(tmp_path):
+    sd = {f"t{i}": torch.randn(64, 33) for i in range(7)}
+    md = dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=3))
+    assert len([f for f in md.files if f.startswith("data-")]) == 3
+    target = {k: torch.zeros(64, 33) for k in sd}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(tmp_path, thread_count=3))
+    for k in sd:
+        assert torch.equal(target[k], sd[k]), k
