@@ -7,7 +7,7 @@ local piece with its :class:`Box` in the global index space.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -59,6 +59,8 @@ class Flat:
     objects: dict[str, Any]
     slots: dict[str, Slot]
     statefuls: list[tuple[Stateful, dict]]
+    #: tensor keys this rank holds no piece of (a DTensor whose mesh excludes this rank)
+    absent: set[str] = field(default_factory=set)
 
 
 def _dtensor_types():
@@ -165,7 +167,9 @@ def flatten(state_dict: dict, *, for_save: bool, saved_keys: Collection[str] | N
         if isinstance(value, torch.Tensor):
             claim(key, "a tensor")
             leaf = tensor_leaf(key, value, for_save)
-            if leaf is not None:
+            if leaf is None:
+                flat.absent.add(key)
+            else:
                 flat.tensors[key] = leaf
             return
         if isinstance(value, Stateful) and not isinstance(value, (dict, list, tuple)):

@@ -241,7 +241,7 @@ class DefaultLoadPlanner(LoadPlanner):
 
     def _check_keys(self) -> None:
         flat, md = self.flat, self.metadata
-        wanted = set(flat.tensors) | set(flat.slots)
+        wanted = set(flat.tensors) | set(flat.slots) | flat.absent
         missing = sorted(k for k in wanted if k not in md.tensors and k not in md.values
                          and k not in md.objects)  # fmt: skip
         unexpected = sorted(set(md.keys()) - wanted)
