@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 import shardkit.checkpoint as dcp
-from shardkit.checkpoint import _format
+from shardkit.checkpoint import _format, _save
 from shardkit.spmd.layout import Box
 
 DTYPES = [
@@ -243,6 +243,7 @@ def test_save_overwrite_replaces_files_and_old_stays_until_commit(tmp_path):
     dcp.load(target, checkpoint_id=tmp_path)
     assert torch.equal(target["w"], torch.ones(8))
     dcp.save({"w": torch.full((8,), 2.0)}, checkpoint_id=tmp_path)
+    _save.join_cleanups()  # superseded files are deleted in the background
     new_files = set(os.listdir(tmp_path))
     assert not (new_files & old_files) - {"metadata.json"}  # old and orphaned files removed
     assert len(new_files) == 2
@@ -259,6 +260,7 @@ def test_save_waits_for_an_async_save_into_the_same_directory(tmp_path):
     target = {"w": torch.ones(256, 1024)}
     dcp.load(target, checkpoint_id=tmp_path)
     assert target["w"].eq(0).all()
+    _save.join_cleanups()  # superseded files are deleted in the background
     assert len(os.listdir(tmp_path)) == 2  # the async save's files were cleaned up after
 
 
@@ -274,6 +276,7 @@ def test_s3_round_trip_and_overwrite():
             sd["w"].fill_(value)
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(url, storage_options=opts))
         assert dcp.is_committed(url, storage_options=opts)
+        _save.join_cleanups()  # superseded files are deleted in the background
         assert len(s3.filesystem().ls("ckpt-core/run/step1")) == 2  # superseded files removed
         target = {"w": torch.zeros(300, 70), "i": torch.zeros(5, dtype=torch.int64), "meta": None}
         dcp.load(target, storage_reader=dcp.FileSystemReader(url, storage_options=opts))
@@ -325,6 +328,7 @@ def test_user_written_storage_gets_checksums_and_commit():
     sd = {"w": torch.randn(33, 5), "k": [1, 2]}
     dcp.save(sd, storage_writer=store)
     dcp.save(sd, storage_writer=store)  # the first save's data file is superseded
+    _save.join_cleanups()  # superseded files are deleted in the background
     assert len(store.files) == 2
     target = {"w": torch.zeros(33, 5), "k": None}
     dcp.load(target, storage_reader=store)
