@@ -104,6 +104,7 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     from torch.distributed.tensor import DTensor  # noqa: F401  (import cost outside the base)
 
     import shardkit.checkpoint as dcp
+    from shardkit.checkpoint._save import join_cleanups
 
     rank = dist.get_rank()
     barrier = dist.barrier
@@ -140,6 +141,9 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     # -- save and load, shardkit and torch interleaved so both see the same conditions ------
     for _ in range(repeats):
         sk["save"].append(_timed(lambda: dcp.save(sd, checkpoint_id=f"{root}/sk"), barrier))
+        # shardkit deletes the superseded files in the background after save() returns;
+        # let that finish (untimed) so it cannot slow the next timed save of either library
+        join_cleanups()
         th["save"].append(_timed(lambda: tdcp.save(sd, checkpoint_id=f"{root}/th"), barrier))
     for _ in range(repeats):
         sk["load"].append(_timed(lambda: dcp.load(sd, checkpoint_id=f"{root}/sk"), barrier))
