@@ -30,7 +30,7 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "numpy"])
     return _CTX
 
 
@@ -78,6 +78,8 @@ def _rank_main(fn, rank, world_size, port, env, args, kwargs, conn):
             import torch.distributed as dist
 
             if dist.is_initialized():
+                # nobody tears down the store while a peer is still using it
+                dist.barrier()
                 dist.destroy_process_group()
         except Exception:
             pass
