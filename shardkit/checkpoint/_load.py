@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import pickle
 import threading
@@ -107,6 +108,24 @@ def _scratch_bytes(nbytes: int) -> torch.Tensor:
     return buf[:nbytes]
 
 
+def _mapping(reader: StorageReader, name: str, maps: dict) -> memoryview | None:
+    """A private read-only-in-practice memory map of a local data file (None otherwise).
+
+    The file's size was checked against the metadata just before; a file truncated while
+    it is mapped would fault, as with safetensors' own mmap loading.
+    """
+    if not (
+        isinstance(reader, FileSystemReader)
+        and reader.local
+        and type(reader).read_into is FileSystemReader.read_into  # respect an override
+    ):
+        return None
+    if name not in maps:
+        with open(reader.join(name), "rb") as f:
+            maps[name] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+    return maps[name]
+
+
 def _read(reader: StorageReader, item: ReadItem, offset: int, view: memoryview) -> None:
     try:
         reader.read_into(item.chunk.file, offset, view)
@@ -116,12 +135,15 @@ def _read(reader: StorageReader, item: ReadItem, offset: int, view: memoryview) 
         ) from None
 
 
-def _read_item(reader: StorageReader, planner: LoadPlanner, item: ReadItem, dtype) -> None:
+def _read_item(
+    reader: StorageReader, planner: LoadPlanner, item: ReadItem, dtype, maps: dict
+) -> None:
     """Read the chunk rows covering ``item.box`` piece by piece, verify every block they
     touch, and put the overlap in place.
 
     Rows are widened to whole checksum blocks. A piece inside the overlap lands straight in
-    a contiguous destination; otherwise it goes through a cache-sized scratch buffer.
+    a contiguous destination. Otherwise (resharding) it is hashed and copied straight out
+    of a memory map of a local file, or goes through a cache-sized scratch buffer.
     """
     chunk, box = item.chunk, item.box
     rb = row_bytes(chunk.box.sizes, dtype.itemsize)
@@ -158,9 +180,17 @@ def _read_item(reader: StorageReader, planner: LoadPlanner, item: ReadItem, dtyp
                 _read(reader, item, chunk.offset + ps * rb, view)
                 digest.update(view)
                 continue
-            buf = _scratch_bytes((pe - ps) * rb)
-            _read(reader, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
-            digest.update(memoryview(buf.numpy()))
+            mapped = _mapping(reader, chunk.file, maps)
+            if mapped is not None:  # no copy into scratch: the page cache is the source
+                raw = mapped[chunk.offset + ps * rb : chunk.offset + pe * rb]
+                if len(raw) != (pe - ps) * rb:
+                    raise CorruptCheckpointError(f"cannot read {_chunk_label(item.key, chunk)}")
+                buf = torch.frombuffer(raw, dtype=torch.uint8)
+                digest.update(raw)
+            else:
+                buf = _scratch_bytes((pe - ps) * rb)
+                _read(reader, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
+                digest.update(memoryview(buf.numpy()))
             if lo < hi:
                 src = buf.view(dtype).reshape((pe - ps, *chunk.box.sizes[1:]))
                 with torch.no_grad():
@@ -254,13 +284,18 @@ def load(
     _check_files(reader, metadata, set(why), why)
     items = sorted(plan.items, key=lambda i: (i.chunk.file, i.chunk.offset))
     dtypes = {i.key: metadata.tensors[i.key].dtype for i in items}
+    maps: dict[str, memoryview] = {}
     if reader.thread_count > 1 and len(items) > 1:
         with ThreadPoolExecutor(reader.thread_count) as pool:
-            for fut in [pool.submit(_read_item, reader, planner, i, dtypes[i.key]) for i in items]:
+            futures = [
+                pool.submit(_read_item, reader, planner, i, dtypes[i.key], maps) for i in items
+            ]
+            for fut in futures:
                 fut.result()
     else:
         for item in items:
-            _read_item(reader, planner, item, dtypes[item.key])
+            _read_item(reader, planner, item, dtypes[item.key], maps)
+    maps.clear()  # unmapped once the last view is gone
     _apply_values(reader, flat, metadata, planner)
     for obj, inner in reversed(flat.statefuls):
         obj.load_state_dict(inner)
