@@ -1,8 +1,8 @@
 """Save a sharded training state on N ranks, load it into another layout on M ranks.
 
-    torchrun --nproc-per-node 4 examples/checkpoint_reshard.py save /tmp/ckpt
-    torchrun --nproc-per-node 2 examples/checkpoint_reshard.py load /tmp/ckpt
-    python examples/checkpoint_reshard.py load /tmp/ckpt   # one process, no process group
+torchrun --nproc-per-node 4 examples/checkpoint_reshard.py save /tmp/ckpt
+torchrun --nproc-per-node 2 examples/checkpoint_reshard.py load /tmp/ckpt
+python examples/checkpoint_reshard.py load /tmp/ckpt   # one process, no process group
 """
 
 from __future__ import annotations
