@@ -92,6 +92,15 @@ def _save_4(path):
     fut = dcp.async_save(sd, storage_writer=_FailOnRank(f"{path}/async-bad", 3))
     _expect_failure(lambda: fut.result(timeout=60), rank, 3, OSError)
     assert not dcp.is_committed(f"{path}/async-bad")
+
+    # a subgroup saves on its own: ranks 0 and 1 only, sync and async
+    sub = dist.new_group([0, 1])  # every rank takes part in creating it
+    if rank in (0, 1):
+        part = {"x": torch.full((4,), 7.0), "who": "pair"}
+        dcp.save(part, checkpoint_id=f"{path}/pair", process_group=sub)
+        dcp.async_save(part, checkpoint_id=f"{path}/pair-async", process_group=sub).result(60)
+        assert dcp.read_metadata(f"{path}/pair-async").world_size == 2
+    dist.barrier()
     return written, sorted(md.keys()), md_async.save_id
 
 
