@@ -8,21 +8,11 @@ import functools
 import numpy as np
 import pytest
 import torch
+from fsdp_models import Block
 from harness import run_ranks
 from torch import nn
 
 BATCH, STEPS, LR = 12, 5, 1e-2
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.a = nn.Linear(d, 2 * d)
-        self.b = nn.Linear(2 * d, d)
-
-    def forward(self, x, *, scale=1.0):
-        return x + scale * self.b(torch.relu(self.a(self.ln(x))))
 
 
 class Net(nn.Module):

@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+from fsdp_models import Block
 from torch import nn
 
 from shardkit.fsdp import FSDP, checkpoint_module, consolidate_sharded_model_checkpoints
@@ -17,17 +18,6 @@ from shardkit.fsdp.wrap import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.a = nn.Linear(d, 2 * d)
-        self.b = nn.Linear(2 * d, d)
-
-    def forward(self, x, *, scale=1.0):
-        return x + scale * self.b(torch.relu(self.a(self.ln(x))))
 
 
 class Net(nn.Module):
