@@ -138,18 +138,18 @@ def _has_tensor(value: Any) -> bool:
     return False
 
 
-def flatten(state_dict: dict, *, for_save: bool, saved_keys: Collection[str] | None = None) -> Flat:
+def flatten(
+    state_dict: dict, *, for_save: bool, saved_parents: Collection[str] = frozenset()
+) -> Flat:
     """Flatten ``state_dict`` into dotted keys.
 
     A JSON container (no tensor, no Stateful inside) is one value, so a list may change
-    length between save and load; other containers are walked. On load, ``saved_keys``
-    (the checkpoint's keys) also walks JSON containers the checkpoint stored per entry.
-    Stateful objects are replaced by their ``state_dict()``.
+    length between save and load; other containers are walked. On load,
+    ``saved_parents`` (``Metadata.key_parents``: the checkpoint keys' dotted prefixes) also walks JSON
+    containers the checkpoint stored per entry. Stateful objects are replaced by their
+    ``state_dict()``.
     """
-    parents = set()
-    for saved in saved_keys or ():
-        parts = saved.split(".")
-        parents.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    parents = saved_parents
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     flat = Flat({}, {}, {}, {}, [])

@@ -5,6 +5,7 @@ See docs/checkpoint-format.md for the specification this module implements.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -215,6 +216,18 @@ class Metadata:
     def keys(self) -> list[str]:
         """Every saved key: tensors, JSON values and pickled objects."""
         return sorted([*self.tensors, *self.values, *self.objects])
+
+    @functools.cached_property
+    def key_parents(self) -> frozenset[str]:
+        """Every proper dotted prefix of the saved keys ("a.b.c" gives "a" and "a.b").
+
+        Computed once per metadata: streaming loads reuse it for every step.
+        """
+        parents = set()
+        for key in self.keys():
+            parts = key.split(".")
+            parents.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        return frozenset(parents)
 
     def to_json(self) -> bytes:
         """The metadata file's bytes."""

@@ -46,7 +46,7 @@ def dcp_to_torch_save(
 ) -> None:
     """Write a shardkit checkpoint as one ``torch.save`` file of full tensors.
 
-    Keys are the checkpoint's flat dotted keys. Tensors are read a batch at a time into
+    Keys are the checkpoint's flat dotted keys. Tensors are read one at a time into
     the output dict (``torch.save`` needs the whole dict, so the output is the memory
     bound). Values saved with pickle are refused unless ``allow_pickle``.
 
@@ -139,8 +139,8 @@ def to_safetensors(
 ) -> None:
     """Write a shardkit checkpoint as one safetensors file of full tensors.
 
-    Streams: tensors are read in batches (64 MiB, or one tensor if larger) into one reused
-    buffer, so memory stays at one batch.
+    Streams: tensors are read one at a time into one reused buffer, so memory stays at
+    the largest tensor.
     Non-tensor values go into the header's ``__metadata__`` under ``"shardkit.values"``
     as a JSON object (the checkpoint format's JSON encoding). Pickled values cannot be
     stored and raise ``ValueError`` naming them.

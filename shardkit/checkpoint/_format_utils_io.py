@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._format import Metadata, safetensors_dtype
-from ._load import load
+from ._load import load, load_with_metadata
 from ._planner import DefaultLoadPlanner
 from ._storage import FileSystemReader
 
@@ -39,8 +39,6 @@ __all__ = [
 
 #: The safetensors ``__metadata__`` entry holding the checkpoint's non-tensor values (JSON).
 VALUES_KEY = "shardkit.values"
-#: Bytes of tensors read per load() call when streaming (at least one whole tensor).
-BATCH_BYTES = 64 << 20
 _ST_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -128,25 +126,23 @@ def _padded(meta) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _batches(metadata: Metadata, keys: Sequence[str]) -> list[list[str]]:
-    """Consecutive keys whose tensors together stay under max(BATCH_BYTES, one tensor)."""
-    batches: list[list[str]] = []
-    size = 0
-    for key in keys:
-        nbytes = _padded(metadata.tensors[key])
-        if not batches or (batches[-1] and size + nbytes > BATCH_BYTES):
-            batches.append([])
-            size = 0
-        batches[-1].append(key)
-        size += nbytes
-    return batches
+class _KnownKeysPlanner(DefaultLoadPlanner):
+    """Loads a few keys taken from the checkpoint's own metadata.
+
+    The other keys are left out on purpose, so there is nothing to report as missing or
+    unexpected, and skipping that check keeps each streaming step independent of the
+    checkpoint's size.
+    """
+
+    def _check_keys(self) -> None:
+        return None
 
 
 class TensorArena:
-    """One reusable byte buffer that successive batches of tensors are carved from.
+    """One reusable byte buffer that successive tensors are carved from.
 
-    Memory stays at one batch however many batches pass through, even while something
-    still references the previous batch's tensors (``load()`` keeps views of them until
+    Memory stays at one tensor however many pass through, even while something
+    still references the previous tensor (``load()`` keeps views of them until
     Python's cyclic garbage collector runs).
     """
 
@@ -167,15 +163,15 @@ class TensorArena:
 def read_full(
     reader: FileSystemReader, metadata: Metadata, keys: Sequence[str], *, reuse: bool
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Full CPU tensors for ``keys``, a batch at a time (checksums verified by load).
+    """Full CPU tensors for ``keys``, one tensor per step (checksums verified by load).
 
-    With ``reuse``, every batch lives in the same buffer: the caller must be done with a
-    batch before asking for the next.
+    Each step is a ``{key: tensor}`` dict. With ``reuse``, every tensor lives in the same
+    buffer: the caller must be done with one before asking for the next.
     """
-    batches = _batches(metadata, keys)
+    batches = [[key] for key in keys]
     arena = None
     if reuse and batches:
-        arena = TensorArena(max(sum(_padded(metadata.tensors[k]) for k in b) for b in batches))
+        arena = TensorArena(max(_padded(metadata.tensors[k]) for k in keys))
     for batch in batches:
         specs = [(metadata.tensors[k].shape, metadata.tensors[k].dtype) for k in batch]
         if arena is not None:
@@ -184,9 +180,7 @@ def read_full(
             tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
         out = dict(zip(batch, tensors))
         del tensors
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"load\(strict=False\)")
-            load(out, storage_reader=reader, planner=DefaultLoadPlanner(), strict=False)
+        load_with_metadata(out, reader, metadata, planner=_KnownKeysPlanner(), strict=False)
         yield out
         del out
 

@@ -268,11 +268,26 @@ def load(
     """
     del process_group
     reader = resolve_reader(checkpoint_id, storage_reader)
+    load_with_metadata(state_dict, reader, _metadata(reader), planner=planner, strict=strict)
+
+
+def load_with_metadata(
+    state_dict: dict,
+    reader: StorageReader,
+    metadata: Metadata,
+    *,
+    planner: LoadPlanner | None = None,
+    strict: bool = True,
+) -> None:
+    """:func:`load` with the checkpoint's metadata already read and parsed.
+
+    For callers that load one checkpoint in many small steps (the format conversions
+    stream it tensor by tensor), so the metadata is parsed once, not once per step.
+    """
     planner = planner if planner is not None else DefaultLoadPlanner()
     if not isinstance(planner, LoadPlanner):
         raise TypeError(f"planner must be a LoadPlanner, got {type(planner).__name__}")
-    metadata = _metadata(reader)
-    flat = flatten(state_dict, for_save=False, saved_keys=metadata.keys())
+    flat = flatten(state_dict, for_save=False, saved_parents=metadata.key_parents)
     planner.set_up_planner(flat, metadata, strict=bool(strict))
     plan = planner.create_local_plan()
     why = {}

@@ -2,7 +2,7 @@
 
 Conversions call ``shardkit.checkpoint.format_utils``; a pair it has no direct function
 for goes through a temporary shardkit checkpoint, so memory stays bounded by what each
-step allows (safetensors out: one batch of tensors; torch.save out: the whole output).
+step allows (safetensors out: one tensor; torch.save out: the whole output).
 """
 
 from __future__ import annotations

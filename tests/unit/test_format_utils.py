@@ -67,7 +67,7 @@ def _load_flat(checkpoint_id, like):
     return target
 
 
-def test_round_trips_are_bit_exact(tmp_path, monkeypatch):
+def test_round_trips_are_bit_exact(tmp_path):
     state = _state()
     flat = _flat(state)
     src = tmp_path / "src"
@@ -78,8 +78,7 @@ def test_round_trips_are_bit_exact(tmp_path, monkeypatch):
     format_utils.torch_save_to_dcp(tmp_path / "out.pt", tmp_path / "from_pt")
     _bit_equal(_load_flat(tmp_path / "from_pt", flat), flat)
 
-    # one tensor per read: the streaming path gives the same file
-    monkeypatch.setattr(_format_utils_io, "BATCH_BYTES", 1)
+    # streamed one tensor at a time into a file the safetensors library reads
     format_utils.to_safetensors(src, tmp_path / "out.safetensors")
     tensors = safetensors.torch.load_file(tmp_path / "out.safetensors")  # the library reads it
     _bit_equal(tensors, {k: v for k, v in flat.items() if torch.is_tensor(v)})
@@ -154,18 +153,17 @@ def test_errors_name_the_missing_paths_and_refuse_pickle(tmp_path):
         format_utils.to_safetensors(tmp_path / "pickled", tmp_path / "q", progress="yes")
 
 
-def test_streaming_reads_reuse_one_buffer(tmp_path, monkeypatch):
+def test_streaming_reads_reuse_one_buffer(tmp_path):
     state = {f"t{i}": torch.full((3, i + 1), float(i), dtype=torch.float64) for i in range(4)}
     state["small"] = torch.arange(5, dtype=torch.int8)
     dist_cp.save(state, checkpoint_id=tmp_path / "ck")
-    monkeypatch.setattr(_format_utils_io, "BATCH_BYTES", 1)  # one tensor per batch
     metadata, reader = _format_utils_io.checkpoint_metadata(tmp_path / "ck")
     pointers, seen = set(), {}
     for batch in _format_utils_io.read_full(reader, metadata, list(metadata.tensors), reuse=True):
         ((key, tensor),) = batch.items()
         pointers.add(tensor.untyped_storage().data_ptr())
         seen[key] = tensor.clone()
-    assert len(pointers) == 1  # every batch lived in the same buffer
+    assert len(pointers) == 1  # every tensor lived in the same buffer
     _bit_equal(seen, state)
 
 
