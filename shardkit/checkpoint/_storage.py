@@ -125,18 +125,7 @@ class FileSystemWriter(_FileSystem):
                 for part in parts:
                     f.write(part)
             return
-        fd = os.open(self.join(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for part in parts:
-                view = _as_bytes(part)
-                for start in range(0, len(view), _WRITE_CHUNK):
-                    piece = view[start : start + _WRITE_CHUNK]
-                    while piece:
-                        piece = piece[os.write(fd, piece) :]
-            if self.sync_files:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_local(self.join(name), parts, exclusive=False, sync=self.sync_files)
 
     def commit(self, metadata: bytes) -> None:
         self._makedirs()
@@ -145,15 +134,7 @@ class FileSystemWriter(_FileSystem):
             self.fs.pipe_file(final, metadata)
             return
         tmp = self.join(f"{METADATA_FILE}.tmp-{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(metadata)
-            while view:
-                view = view[os.write(fd, view) :]
-            if self.sync_files:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_local(tmp, [metadata], exclusive=True, sync=self.sync_files)
         if self.sync_files:  # the data files' directory entries are durable before the commit
             _fsync_dir(self.root)
         os.replace(tmp, final)
@@ -179,6 +160,26 @@ class FileSystemWriter(_FileSystem):
                     self.fs.rm_file(self.join(name))
             except FileNotFoundError:
                 pass
+
+
+def _write_local(path: str, parts: Iterable, *, exclusive: bool, sync: bool) -> None:
+    """Write ``parts`` to a local file in bounded ``write()`` calls, fsynced if ``sync``.
+
+    ``exclusive`` refuses an existing file (a fresh temporary); otherwise it is truncated.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, 0o644)
+    try:
+        for part in parts:
+            view = _as_bytes(part)
+            for start in range(0, len(view), _WRITE_CHUNK):
+                piece = view[start : start + _WRITE_CHUNK]
+                while piece:
+                    piece = piece[os.write(fd, piece) :]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _as_bytes(buf) -> memoryview:
