@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import math
-import mmap
 import os
 import pickle
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 import xxhash
 
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._flatten import Flat, flatten
-from ._format import METADATA_FILE, ChunkMeta, Metadata, num_rows, row_bytes
-from ._planner import DefaultLoadPlanner, LoadPlanner, ReadItem
+from ._format import METADATA_FILE, Metadata
+from ._planner import DefaultLoadPlanner, LoadPlanner
+from ._read_chunks import LocalFiles, chunk_label, read_items
 from ._storage import FileSystemReader, StorageReader
 
 __all__ = ["load", "read_metadata", "is_committed"]
@@ -82,124 +79,6 @@ def is_committed(checkpoint_id: str | os.PathLike, *, storage_options: dict | No
     except CheckpointError:
         return False
     return True
-
-
-def _chunk_label(key: str, chunk: ChunkMeta) -> str:
-    return (
-        f"key {key!r} chunk offsets={list(chunk.box.offsets)} sizes={list(chunk.box.sizes)} "
-        f"in file {chunk.file}"
-    )
-
-
-_scratch = threading.local()
-#: Bytes read per call when reading straight into the destination: each piece is hashed
-#: while it is still in the CPU cache, instead of streaming the chunk through DRAM twice.
-_PIECE_BYTES = 1 << 20
-#: Bytes per call through the scratch buffer (resharding): larger pieces amortise the
-#: per-piece strided copy; measured best at about one checksum block.
-_SCRATCH_PIECE_BYTES = 4 << 20
-
-
-def _scratch_bytes(nbytes: int) -> torch.Tensor:
-    """A small per-thread reusable byte buffer."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        _scratch.buf = buf = torch.empty(max(nbytes, _SCRATCH_PIECE_BYTES), dtype=torch.uint8)
-    return buf[:nbytes]
-
-
-def _mapping(reader: StorageReader, name: str, maps: dict) -> memoryview | None:
-    """A private read-only-in-practice memory map of a local data file (None otherwise).
-
-    The file's size was checked against the metadata just before; a file truncated while
-    it is mapped would fault, as with safetensors' own mmap loading.
-    """
-    if not (
-        isinstance(reader, FileSystemReader)
-        and reader.local
-        and type(reader).read_into is FileSystemReader.read_into  # respect an override
-    ):
-        return None
-    if name not in maps:
-        with open(reader.join(name), "rb") as f:
-            maps[name] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
-    return maps[name]
-
-
-def _read(reader: StorageReader, item: ReadItem, offset: int, view: memoryview) -> None:
-    try:
-        reader.read_into(item.chunk.file, offset, view)
-    except (FileNotFoundError, EOFError) as exc:
-        raise CorruptCheckpointError(
-            f"cannot read {_chunk_label(item.key, item.chunk)}: {exc}"
-        ) from None
-
-
-def _read_item(
-    reader: StorageReader, planner: LoadPlanner, item: ReadItem, dtype, maps: dict
-) -> None:
-    """Read the chunk rows covering ``item.box`` piece by piece, verify every block they
-    touch, and put the overlap in place.
-
-    Rows are widened to whole checksum blocks. A piece inside the overlap lands straight in
-    a contiguous destination. Otherwise (resharding) it is hashed and copied straight out
-    of a memory map of a local file, or goes through a cache-sized scratch buffer.
-    """
-    chunk, box = item.chunk, item.box
-    rb = row_bytes(chunk.box.sizes, dtype.itemsize)
-    rows = num_rows(chunk.box.sizes)
-    r0 = box.offsets[0] - chunk.box.offsets[0] if box.ndim else 0
-    r1 = r0 + box.sizes[0] if box.ndim else 1
-    dest = planner.resolve_tensor(item)
-    if not box.ndim:
-        dest = dest.reshape(1)
-    inner = tuple(
-        slice(o - co, o - co + s)
-        for o, s, co in zip(box.offsets[1:], box.sizes[1:], chunk.box.offsets[1:])
-    )
-    direct = (
-        tuple(box.sizes[1:]) == tuple(chunk.box.sizes[1:])
-        and dest.device.type == "cpu"
-        and dest.is_contiguous()
-    )
-    out = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if direct else None
-    step = max(1, (_PIECE_BYTES if direct else _SCRATCH_PIECE_BYTES) // max(1, rb))
-    block = chunk.block_rows
-    for b in range(r0 // block, math.ceil(r1 / block)):
-        if b >= len(chunk.checksums):
-            raise CorruptCheckpointError(
-                f"{_chunk_label(item.key, chunk)}: block {b} has no checksum"
-            )
-        digest = xxhash.xxh3_64()
-        bs, be = b * block, min((b + 1) * block, rows)
-        for ps in range(bs, be, step):
-            pe = min(ps + step, be)
-            lo, hi = max(ps, r0), min(pe, r1)
-            if direct and (lo, hi) == (ps, pe):
-                view = out[(ps - r0) * rb : (pe - r0) * rb]
-                _read(reader, item, chunk.offset + ps * rb, view)
-                digest.update(view)
-                continue
-            mapped = _mapping(reader, chunk.file, maps)
-            if mapped is not None:  # no copy into scratch: the page cache is the source
-                raw = mapped[chunk.offset + ps * rb : chunk.offset + pe * rb]
-                if len(raw) != (pe - ps) * rb:
-                    raise CorruptCheckpointError(f"cannot read {_chunk_label(item.key, chunk)}")
-                buf = torch.frombuffer(raw, dtype=torch.uint8)
-                digest.update(raw)
-            else:
-                buf = _scratch_bytes((pe - ps) * rb)
-                _read(reader, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
-                digest.update(memoryview(buf.numpy()))
-            if lo < hi:
-                src = buf.view(dtype).reshape((pe - ps, *chunk.box.sizes[1:]))
-                with torch.no_grad():
-                    dest[lo - r0 : hi - r0].copy_(src[(slice(lo - ps, hi - ps), *inner)])
-        if digest.hexdigest() != chunk.checksums[b]:
-            raise CorruptCheckpointError(
-                f"checksum mismatch in {_chunk_label(item.key, chunk)}, rows "
-                f"{bs}..{be}: stored {chunk.checksums[b]}, read {digest.hexdigest()}"
-            )
 
 
 def _load_object(reader: StorageReader, key: str, metadata: Metadata) -> Any:
@@ -292,25 +171,21 @@ def load_with_metadata(
     plan = planner.create_local_plan()
     why = {}
     for item in plan.items:
-        why.setdefault(item.chunk.file, _chunk_label(item.key, item.chunk))
+        why.setdefault(item.chunk.file, chunk_label(item.key, item.chunk))
     wanted_objects = [k for k in flat.slots if k in metadata.objects]
     for key in wanted_objects:
         why.setdefault(metadata.objects[key].file, f"key {key!r}")
     _check_files(reader, metadata, set(why), why)
-    items = sorted(plan.items, key=lambda i: (i.chunk.file, i.chunk.offset))
-    dtypes = {i.key: metadata.tensors[i.key].dtype for i in items}
-    maps: dict[str, memoryview] = {}
-    if reader.thread_count > 1 and len(items) > 1:
-        with ThreadPoolExecutor(reader.thread_count) as pool:
-            futures = [
-                pool.submit(_read_item, reader, planner, i, dtypes[i.key], maps) for i in items
-            ]
-            for fut in futures:
-                fut.result()
-    else:
-        for item in items:
-            _read_item(reader, planner, item, dtypes[item.key], maps)
-    maps.clear()  # unmapped once the last view is gone
+    dtypes = {i.key: metadata.tensors[i.key].dtype for i in plan.items}
+    files = LocalFiles(reader)
+    try:
+        if reader.thread_count > 1 and len(plan.items) > 1:
+            with ThreadPoolExecutor(reader.thread_count) as pool:
+                read_items(reader, planner, plan.items, dtypes, files, pool)
+        else:
+            read_items(reader, planner, plan.items, dtypes, files, None)
+    finally:
+        files.close()
     _apply_values(reader, flat, metadata, planner)
     for obj, inner in reversed(flat.statefuls):
         obj.load_state_dict(inner)

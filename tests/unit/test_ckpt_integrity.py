@@ -184,12 +184,13 @@ class _ColumnSplitPlanner(dcp.DefaultSavePlanner):
 
 @pytest.mark.parametrize("piece_bytes", [1 << 20, 200])
 def test_column_chunks_land_in_strided_rows_and_are_verified(tmp_path, monkeypatch, piece_bytes):
-    from shardkit.checkpoint import _format, _load
+    from shardkit.checkpoint import _format, _read_chunks
 
     # small checksum blocks and (in one run) pieces smaller than a block and than a row
     monkeypatch.setattr(_format, "BLOCK_BYTES", 400)
-    monkeypatch.setattr(_load, "_PIECE_BYTES", piece_bytes)
-    monkeypatch.setattr(_load, "_SCRATCH_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(_read_chunks, "_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(_read_chunks, "_SCRATCH_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(_read_chunks, "_BAND_PIECE_BYTES", piece_bytes)
     full = torch.randn(64, 10, dtype=torch.float64)
     md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=_ColumnSplitPlanner())
     assert [c.box.sizes for c in md.tensors["w"].chunks] == [(64, 5), (64, 5)]
