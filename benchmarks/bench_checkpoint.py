@@ -77,8 +77,12 @@ def _local_tensors(sd):
 
 def _memcpy(tensors, share: int) -> dict:
     """Seconds for one copy of the rank's state, and of its first ``share`` bytes, into
-    preallocated, already-touched buffers (the strictest memcpy baseline)."""
+    preallocated, already-touched buffers (the strictest memcpy baseline): with
+    ``copy_`` (a plain memcpy), and for the share also with the streaming-store copy
+    that shardkit stages with, so its own overhead over that copy shows too."""
     import torch
+
+    from shardkit.checkpoint._stream_copy import stream_copy
 
     flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
     part, left = [], share
@@ -86,13 +90,17 @@ def _memcpy(tensors, share: int) -> dict:
         part.append(t[: max(0, min(left, t.numel()))])
         left -= part[-1].numel()
     out = {}
-    for name, srcs in (("state", flat), ("share", part)):
+    for name, srcs, copy in (
+        ("state", flat, torch.Tensor.copy_),
+        ("share", part, torch.Tensor.copy_),
+        ("share_streaming", part, stream_copy),
+    ):
         dst = [torch.empty_like(t) for t in srcs]
         for d, t in zip(dst, srcs):
-            d.copy_(t)
+            copy(d, t)
         t0 = time.perf_counter()
         for d, t in zip(dst, srcs):
-            d.copy_(t)
+            copy(d, t)
         out[name] = time.perf_counter() - t0
     return out
 
@@ -118,7 +126,7 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     # -- async first, so shardkit's peak RSS is not inflated by earlier allocations ---------
     sk = {"async_block": [], "save": [], "load": []}
     th = {"async_block": [], "save": [], "load": []}
-    peak, memcpy, share = 0, {"state": [], "share": []}, 0
+    peak, memcpy, share = 0, {"state": [], "share": [], "share_streaming": []}, 0
     for i in range(repeats + 1):
         barrier()
         _reset_peak()
@@ -163,6 +171,7 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     out["samples"] = {"shardkit": sk, "torch": th}
     out["memcpy_state"] = med(memcpy["state"])
     out["memcpy_share"] = med(memcpy["share"])
+    out["memcpy_share_streaming"] = med(memcpy["share_streaming"])
     return out
 
 
@@ -245,7 +254,11 @@ def main() -> None:
             lib: {k: [round(x, 3) for x in v] for k, v in d.items()}
             for lib, d in r0["samples"].items()
         },
-        "memcpy_s": {"rank_state": r0["memcpy_state"], "rank_share": r0["memcpy_share"]},
+        "memcpy_s": {
+            "rank_state": r0["memcpy_state"],
+            "rank_share": r0["memcpy_share"],
+            "rank_share_streaming": r0["memcpy_share_streaming"],
+        },
         "bytes_rank0": {"state": r0["state_bytes_rank"], "share": r0["rank_share_bytes"]},
         "reshard_load_s": {"same_layout": re_same, "4_to_2": re_resharded},
         "ratios": {
@@ -254,6 +267,9 @@ def main() -> None:
             "async_block": sk["async_block"] / th["async_block"],
             "async_block_vs_memcpy": sk["async_block"] / r0["memcpy_share"],
             "async_block_vs_memcpy_of_whole_rank_state": sk["async_block"] / r0["memcpy_state"],
+            "async_block_vs_streaming_copy_of_share": (
+                sk["async_block"] / r0["memcpy_share_streaming"]
+            ),
             "reshard_vs_same_load": re_resharded / re_same,
             "async_peak_rss_vs_state_plus_1.1_share": worst_rss,
         },

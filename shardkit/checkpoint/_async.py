@@ -28,6 +28,7 @@ from ._save import (
     write_and_commit,
 )
 from ._storage import StorageWriter
+from ._stream_copy import stream_copy
 
 __all__ = ["async_save"]
 
@@ -82,8 +83,11 @@ def _stage(job: SaveJob) -> dict[tuple[str, tuple], torch.Tensor]:
         for item, off in zip(items, offsets):
             src = job.planner.resolve_data(item)
             dst = buf[off : off + item.nbytes].view(item.dtype).reshape(item.box.sizes)
-            cuda |= src.device.type == "cuda"
-            dst.copy_(src, non_blocking=src.device.type == "cuda")
+            if src.device.type == "cuda":
+                cuda = True
+                dst.copy_(src, non_blocking=True)
+            else:
+                stream_copy(dst, src)
             staged[(item.key, item.box.offsets)] = dst
     if cuda:
         torch.cuda.synchronize()
@@ -123,7 +127,13 @@ def async_save(
         future.set_exception(exc)
         return future
 
+    released = threading.Event()
+
     def run() -> None:
+        # Start working only once the caller has returned: a new thread that ran Python
+        # at once would hold the GIL for a whole switch interval (5 ms) before the caller
+        # could return from start().
+        released.wait()
         try:
             md: Metadata = write_and_commit(
                 job, writer, comm, lambda item: staged[(item.key, item.box.offsets)]
@@ -135,4 +145,5 @@ def async_save(
 
     set_inflight(future)
     threading.Thread(target=run, name="shardkit-async-save", daemon=False).start()
+    released.set()
     return future

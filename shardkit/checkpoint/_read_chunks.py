@@ -106,6 +106,20 @@ class _Copy:
     src: torch.Tensor
 
 
+def _mapped_chunk(files: LocalFiles, item: ReadItem, dtype: torch.dtype):
+    """The chunk's bytes in the file's memory map, and the same bytes as a tensor."""
+    chunk = item.chunk
+    raw = files.mapping(chunk.file)[chunk.offset : chunk.offset + chunk.nbytes]
+    if len(raw) != chunk.nbytes:
+        raise CorruptCheckpointError(f"cannot read {chunk_label(item.key, chunk)}")
+    whole = (
+        torch.frombuffer(raw, dtype=torch.uint8)
+        if chunk.nbytes
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    return raw, whole.view(dtype).reshape(chunk.box.sizes)
+
+
 def _pieces(
     reader: StorageReader,
     item: ReadItem,
@@ -139,6 +153,7 @@ def _pieces(
         step_bytes = _PIECE_BYTES if direct else _SCRATCH_PIECE_BYTES
     step = max(1, step_bytes // max(1, rb))
     block = chunk.block_rows
+    mapped = whole = None
     for b in range(r0 // block, math.ceil(r1 / block)):
         if b >= len(chunk.checksums):
             raise CorruptCheckpointError(
@@ -154,17 +169,16 @@ def _pieces(
                 _read(reader, item, chunk.offset + ps * rb, view)
                 digest.update(view)
                 continue
-            mapped = files.mapping(chunk.file)
+            if mapped is None and files.usable:
+                mapped, whole = _mapped_chunk(files, item, dtype)
             if mapped is not None:  # no copy into scratch: the page cache is the source
-                raw = mapped[chunk.offset + ps * rb : chunk.offset + pe * rb]
-                if len(raw) != (pe - ps) * rb:
-                    raise CorruptCheckpointError(f"cannot read {chunk_label(item.key, chunk)}")
-                buf = torch.frombuffer(raw, dtype=torch.uint8)
-                digest.update(raw)
-            else:
-                buf = _scratch_bytes((pe - ps) * rb)
-                _read(reader, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
-                digest.update(memoryview(buf.numpy()))
+                digest.update(mapped[ps * rb : pe * rb])
+                if lo < hi:
+                    yield _Copy(lo - r0, hi - r0, whole[(slice(lo, hi), *inner)])
+                continue
+            buf = _scratch_bytes((pe - ps) * rb)
+            _read(reader, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
+            digest.update(memoryview(buf.numpy()))
             if lo < hi:
                 src = buf.view(dtype).reshape((pe - ps, *chunk.box.sizes[1:]))
                 yield _Copy(lo - r0, hi - r0, src[(slice(lo - ps, hi - ps), *inner)])
