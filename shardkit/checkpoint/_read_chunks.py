@@ -106,12 +106,26 @@ class _Copy:
     src: torch.Tensor
 
 
+#: Linux 5.14+: fault a mapped range in with one call instead of one fault per 64 KiB.
+_MADV_POPULATE_READ = 22
+
+
+def _populate(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mapping.madvise(_MADV_POPULATE_READ, start, offset + nbytes - start)
+    except (OSError, ValueError, AttributeError):
+        pass  # older kernels: the pages fault in as they are read
+
+
 def _mapped_chunk(files: LocalFiles, item: ReadItem, dtype: torch.dtype):
     """The chunk's bytes in the file's memory map, and the same bytes as a tensor."""
     chunk = item.chunk
-    raw = files.mapping(chunk.file)[chunk.offset : chunk.offset + chunk.nbytes]
+    mapped = files.mapping(chunk.file)
+    raw = mapped[chunk.offset : chunk.offset + chunk.nbytes]
     if len(raw) != chunk.nbytes:
         raise CorruptCheckpointError(f"cannot read {chunk_label(item.key, chunk)}")
+    _populate(mapped.obj, chunk.offset, chunk.nbytes)
     whole = (
         torch.frombuffer(raw, dtype=torch.uint8)
         if chunk.nbytes
