@@ -6,34 +6,10 @@ taken, so a regression to the per-chunk strided path, or a wrong fast path, both
 
 import pytest
 import torch
+from column_planner import ColumnPlanner
 
 import shardkit.checkpoint as dcp
 from shardkit.checkpoint import _format, _read_chunks
-
-
-class _ColumnPlanner(dcp.DefaultSavePlanner):
-    """Stores every 2-d box as column pieces of the given widths (the rest last)."""
-
-    def __init__(self, widths):
-        super().__init__()
-        self.widths = widths
-
-    def create_global_plan(self, plans):
-        out = super().create_global_plan(plans)
-        for plan in out:
-            split = []
-            for item in plan.items:
-                (r, c), (nr, nc) = item.box.offsets, item.box.sizes
-                edges = [0]
-                for w in self.widths:
-                    edges.append(min(nc, edges[-1] + w))
-                edges.append(nc)
-                for a, b in zip(edges, edges[1:]):
-                    if b > a:
-                        box = type(item.box)((r, c + a), (nr, b - a))
-                        split.append(dcp.WriteItem(item.key, box, item.shape, item.dtype))
-            plan.items[:] = split
-        return out
 
 
 @pytest.fixture
@@ -55,7 +31,7 @@ def bands(monkeypatch):
 
 def test_three_uneven_column_chunks_use_one_band(tmp_path, bands):
     full = torch.randn(50, 12, dtype=torch.float64)
-    md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=_ColumnPlanner([4, 5]))
+    md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([4, 5]))
     assert [c.box.sizes for c in md.tensors["w"].chunks] == [(50, 4), (50, 5), (50, 3)]
     target = {"w": torch.zeros(50, 12, dtype=torch.float64)}
     dcp.load(target, checkpoint_id=tmp_path)
@@ -66,7 +42,7 @@ def test_three_uneven_column_chunks_use_one_band(tmp_path, bands):
 def test_misaligned_pieces_fall_back_piece_by_piece(tmp_path, bands):
     # 3 and 9 columns of float64: different rows per checksum block and per piece
     full = torch.randn(70, 12, dtype=torch.float64)
-    dcp.save({"w": full}, checkpoint_id=tmp_path, planner=_ColumnPlanner([3]))
+    dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([3]))
     target = {"w": torch.zeros(70, 12, dtype=torch.float64)}
     dcp.load(target, checkpoint_id=tmp_path)
     assert torch.equal(target["w"], full)
@@ -75,7 +51,7 @@ def test_misaligned_pieces_fall_back_piece_by_piece(tmp_path, bands):
 
 def test_non_contiguous_destination_takes_the_strided_path(tmp_path, bands):
     full = torch.randn(40, 8)
-    dcp.save({"w": full}, checkpoint_id=tmp_path, planner=_ColumnPlanner([4]))
+    dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([4]))
     dest = torch.zeros(8, 40).t()  # column-major: no contiguous band exists
     dcp.load({"w": dest}, checkpoint_id=tmp_path)
     assert torch.equal(dest, full)
@@ -85,7 +61,7 @@ def test_non_contiguous_destination_takes_the_strided_path(tmp_path, bands):
 def test_remote_store_reads_each_chunk_alone(bands):
     full = torch.randn(30, 6)
     url = "memory://shardkit-bands/ckpt"
-    dcp.save({"w": full}, checkpoint_id=url, planner=_ColumnPlanner([2]))
+    dcp.save({"w": full}, checkpoint_id=url, planner=ColumnPlanner([2]))
     target = {"w": torch.zeros(30, 6)}
     dcp.load(target, checkpoint_id=url)
     assert torch.equal(target["w"], full)
@@ -94,7 +70,7 @@ def test_remote_store_reads_each_chunk_alone(bands):
 
 def test_corrupt_chunk_in_a_band_is_named(tmp_path, bands):
     full = torch.randn(64, 10, dtype=torch.float64)
-    md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=_ColumnPlanner([5]))
+    md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([5]))
     chunk = md.tensors["w"].chunks[1]
     path = tmp_path / chunk.file
     raw = bytearray(path.read_bytes())

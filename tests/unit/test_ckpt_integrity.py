@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 import torch
+from column_planner import ColumnPlanner
 
 import shardkit.checkpoint as dcp
 
@@ -165,23 +166,6 @@ def test_bad_arguments_name_the_fix(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-class _ColumnSplitPlanner(dcp.DefaultSavePlanner):
-    """A custom global plan: every 2-d box is stored as two column halves."""
-
-    def create_global_plan(self, plans):
-        out = super().create_global_plan(plans)
-        for plan in out:
-            split = []
-            for item in plan.items:
-                (r, c), (nr, nc) = item.box.offsets, item.box.sizes
-                half = nc // 2
-                for off, size in ((c, half), (c + half, nc - half)):
-                    box = type(item.box)((r, off), (nr, size))
-                    split.append(dcp.WriteItem(item.key, box, item.shape, item.dtype))
-            plan.items[:] = split
-        return out
-
-
 @pytest.mark.parametrize("piece_bytes", [1 << 20, 200])
 def test_column_chunks_land_in_strided_rows_and_are_verified(tmp_path, monkeypatch, piece_bytes):
     from shardkit.checkpoint import _format, _read_chunks
@@ -192,7 +176,7 @@ def test_column_chunks_land_in_strided_rows_and_are_verified(tmp_path, monkeypat
     monkeypatch.setattr(_read_chunks, "_SCRATCH_PIECE_BYTES", piece_bytes)
     monkeypatch.setattr(_read_chunks, "_BAND_PIECE_BYTES", piece_bytes)
     full = torch.randn(64, 10, dtype=torch.float64)
-    md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=_ColumnSplitPlanner())
+    md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner())
     assert [c.box.sizes for c in md.tensors["w"].chunks] == [(64, 5), (64, 5)]
     target = {"w": torch.zeros(64, 10, dtype=torch.float64)}
     dcp.load(target, checkpoint_id=tmp_path)  # each chunk lands in strided rows of w
