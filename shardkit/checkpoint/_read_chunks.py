@@ -26,6 +26,7 @@ from ._errors import CorruptCheckpointError
 from ._format import ChunkMeta, num_rows, row_bytes
 from ._planner import LoadPlanner, ReadItem
 from ._storage import FileSystemReader, StorageReader
+from ._stream_copy import can_stream_rows, stream_copy_rows
 
 __all__ = ["LocalFiles", "chunk_label", "read_items"]
 
@@ -247,6 +248,20 @@ def _band(items: list[ReadItem], dests: list[torch.Tensor]) -> tuple[torch.Tenso
     return (band, dim) if band.is_contiguous() else None
 
 
+def _write_band(out: torch.Tensor, dim: int, parts: list[torch.Tensor]) -> None:
+    """``torch.cat(parts, dim, out=out)``; with streaming stores, each part straight into
+    its slot, where every part allows it (rows whose bytes are contiguous)."""
+    slots, start = [], 0
+    for part in parts:
+        slots.append(out.narrow(dim, start, part.shape[dim]))
+        start += part.shape[dim]
+    if all(can_stream_rows(slot, part) for slot, part in zip(slots, parts)):
+        for slot, part in zip(slots, parts):
+            stream_copy_rows(slot, part)
+    else:
+        torch.cat(parts, dim=dim, out=out)
+
+
 def _read_band(reader, planner, items, dtypes, files) -> None:
     """Read chunks that fill the same destination rows side by side, in lockstep."""
     items = sorted(items, key=lambda i: i.box.offsets)
@@ -265,7 +280,7 @@ def _read_band(reader, planner, items, dtypes, files) -> None:
             spans = {(p.lo, p.hi) for p in pending if p is not None}
             if len(spans) == 1 and None not in pending:  # aligned: one front-to-back write
                 lo, hi = spans.pop()
-                torch.cat([p.src for p in pending], dim=dim, out=band[lo:hi])
+                _write_band(band[lo:hi], dim, [p.src for p in pending])
                 pending = [next(p, None) for p in pieces]
                 continue
             first = min(p.lo for p in pending if p is not None)

@@ -79,3 +79,23 @@ def test_corrupt_chunk_in_a_band_is_named(tmp_path, bands):
     with pytest.raises(dcp.CorruptCheckpointError, match=r"'w' chunk offsets=\[0, 5\].*rows"):
         dcp.load({"w": torch.zeros(64, 10, dtype=torch.float64)}, checkpoint_id=tmp_path)
     assert bands == [True]
+
+
+def test_aligned_rows_are_written_with_streaming_stores(tmp_path, bands, monkeypatch):
+    from shardkit.checkpoint._stream_copy import streaming_available
+
+    streamed = []
+    real = _read_chunks.stream_copy_rows
+    monkeypatch.setattr(
+        _read_chunks, "stream_copy_rows", lambda d, s: (streamed.append(s.shape), real(d, s))
+    )
+    full = torch.randn(96, 48)  # float32 column chunks of 16 and 32: 64- and 128-byte rows
+    dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([16]))
+    target = {"w": torch.zeros(96, 48)}
+    dcp.load(target, checkpoint_id=tmp_path)
+    assert torch.equal(target["w"], full)
+    assert bands == [True]
+    if streaming_available():
+        assert {shape[1] for shape in streamed} == {16, 32}
+    else:
+        assert streamed == []

@@ -10,7 +10,12 @@ import torch
 
 import shardkit.checkpoint as dcp
 from shardkit.checkpoint import _stream_copy
-from shardkit.checkpoint._stream_copy import stream_copy, streaming_available
+from shardkit.checkpoint._stream_copy import (
+    can_stream_rows,
+    stream_copy,
+    stream_copy_rows,
+    streaming_available,
+)
 
 
 def _expected_available() -> bool:
@@ -32,10 +37,9 @@ def calls(monkeypatch):
     """Counts calls into the streaming routine (none when it is unavailable)."""
     seen = []
     if streaming_available():
-        real = _stream_copy._routine
-        monkeypatch.setattr(
-            _stream_copy, "_routine", lambda d, s, n: (seen.append(n), real(d, s, n))
-        )
+        real = _stream_copy._routines
+        spy = real._replace(blocks=lambda d, s, n: (seen.append(n), real.blocks(d, s, n)))
+        monkeypatch.setattr(_stream_copy, "_routines", spy)
     return seen
 
 
@@ -101,3 +105,33 @@ def test_disabled_by_environment():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("cols_bytes", [(64, 256), (96, 96), (32, 4096)])
+def test_rows_land_in_strided_slots_exactly(dtype, cols_bytes):
+    part_bytes, other_bytes = cols_bytes
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    part_cols, other_cols = part_bytes // itemsize, other_bytes // itemsize
+    rows = 301
+    dest = torch.zeros(rows, part_cols + other_cols, dtype=dtype)
+    src = torch.randint(0, 100, (rows, part_cols + 3), dtype=torch.uint8).to(dtype)[:, 3:]
+    slot = dest[:, other_cols:]  # a strided slot; its rows are contiguous
+    assert can_stream_rows(slot, src) == streaming_available() or dest.data_ptr() % 32
+    stream_copy_rows(slot, src)
+    assert torch.equal(slot, src)
+    assert not dest[:, :other_cols].any()  # nothing written outside the slot
+
+
+def test_rows_it_cannot_stream_are_still_copied():
+    dest = torch.zeros(64, 24)  # 8-float slot rows are 32 bytes, 4-float ones are not
+    src = torch.randn(64, 4)
+    assert not can_stream_rows(dest[:, :4], src)  # 16-byte rows
+    stream_copy_rows(dest[:, :4], src)
+    assert torch.equal(dest[:, :4], src)
+    column_major = torch.randn(8, 64).t()  # rows not contiguous
+    assert not can_stream_rows(dest[:, 8:16], column_major)
+    stream_copy_rows(dest[:, 8:16], column_major)
+    assert torch.equal(dest[:, 8:16], column_major)
+    assert not can_stream_rows(dest[:, 16:24], torch.randn(64, 8).double())
+    assert not can_stream_rows(torch.zeros(8), torch.zeros(8))  # 1-d
