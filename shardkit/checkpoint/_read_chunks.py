@@ -213,7 +213,7 @@ def _read_one(reader, planner, item, dtype, files, dest=None) -> None:
     dest = _destination(planner, item) if dest is None else dest
     with torch.no_grad():
         for piece in _pieces(reader, item, dest, dtype, files):
-            dest[piece.lo : piece.hi].copy_(piece.src)
+            stream_copy_rows(dest[piece.lo : piece.hi], piece.src)
 
 
 def _band(items: list[ReadItem], dests: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
