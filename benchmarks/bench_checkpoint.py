@@ -3,9 +3,10 @@
 2 ranks (gloo, CPU), >= 1 GiB of state: DTensor shards (Shard(0)) plus plain replicated
 tensors; fsync on for both. Prints one JSON line of medians and shardkit/torch ratios.
 
-    .venv/bin/python benchmarks/bench_checkpoint.py            # 1 GiB, 5 repeats
+    .venv/bin/python benchmarks/bench_checkpoint.py            # 1 GiB, 7 repeats
     .venv/bin/python benchmarks/bench_checkpoint.py --quick    # 64 MiB smoke run
     .venv/bin/python benchmarks/bench_checkpoint.py --reshard-only --repeats 7
+    .venv/bin/python benchmarks/bench_checkpoint.py --save-only --repeats 9
 """
 
 from __future__ import annotations
@@ -176,6 +177,25 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     return out
 
 
+def _save_phase(root: str, total_mib: int, repeats: int) -> dict:
+    """Only the interleaved blocking saves of the main phase (every sample kept)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardkit.checkpoint as dcp
+    from shardkit.checkpoint._save import join_cleanups
+
+    init_device_mesh("cpu", (2,))
+    sd = _state(total_mib, dist.get_rank())
+    sk, th = [], []
+    for _ in range(repeats):
+        sk.append(_timed(lambda: dcp.save(sd, checkpoint_id=f"{root}/sk"), dist.barrier))
+        join_cleanups()
+        th.append(_timed(lambda: tdcp.save(sd, checkpoint_id=f"{root}/th"), dist.barrier))
+    return {"shardkit": sk, "torch": th}
+
+
 def _reshard_save(root: str, total_mib: int, world: int) -> None:
     import torch
 
@@ -219,14 +239,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 MiB, 1 repeat")
     parser.add_argument("--mib", type=int, default=1024, help="total state size in MiB")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument(
         "--reshard-only", action="store_true", help="only the 4->2 vs same-layout load figure"
     )
+    parser.add_argument("--save-only", action="store_true", help="only the save-time figure")
     args = parser.parse_args()
     mib, repeats = (64, 1) if args.quick else (args.mib, args.repeats)
     root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
+    if args.save_only:
+        try:
+            res = run_ranks(_save_phase, 2, root, mib, repeats, timeout=3600)[0]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        med = {lib: statistics.median(v) for lib, v in res.items()}
+        print(json.dumps({"bench": "checkpoint-save", "state_mib": mib, "repeats": repeats,
+                          "loadavg_1m_at_end": os.getloadavg()[0], "save_s": med,
+                          "samples_s_rank0": {k: [round(x, 3) for x in v] for k, v in res.items()},
+                          "ratios": {"save": med["shardkit"] / med["torch"]},
+                          "targets": {"save": 0.8}}))  # fmt: skip
+        return
     try:
         if not args.reshard_only:
             main_res = run_ranks(_main_phase, 2, root, mib, repeats, timeout=3600)
