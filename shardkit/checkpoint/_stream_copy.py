@@ -35,6 +35,7 @@ _PAGE = 4096
 _BLOCK = 4 * _PAGE  # bytes per outer iteration: four pages side by side
 _ALIGN = 32  # streaming stores of 32 bytes need a 32-byte aligned destination
 _MIN_BYTES = 1 << 20  # below this, the call overhead outweighs the gain
+_MIN_ROWS_BYTES = 64 << 10  # the same for row copies (resharded loads copy in pieces)
 
 _Routines = collections.namedtuple("_Routines", "blocks rows")
 _lock = threading.Lock()
@@ -172,6 +173,14 @@ def streaming_available() -> bool:
     return _routines is not False
 
 
+def _plain(*tensors: torch.Tensor) -> bool:
+    """Dense tensors whose memory holds their values as is (no lazy conj/neg views)."""
+    return all(
+        t.layout == torch.strided and not t.is_conj() and not t.is_neg() and not t.is_quantized
+        for t in tensors
+    )
+
+
 def stream_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, with streaming stores where both are contiguous CPU tensors of
     one dtype and ``dst`` is 32-byte aligned (staging buffers are)."""
@@ -182,9 +191,8 @@ def stream_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         or dst.device.type != "cpu"
         or src.dtype != dst.dtype
         or src.shape != dst.shape
+        or not _plain(dst, src)
         or not (src.is_contiguous() and dst.is_contiguous())
-        or src.is_conj()
-        or src.is_neg()
         or dst.data_ptr() % _ALIGN
         or not streaming_available()
     ):
@@ -210,15 +218,14 @@ def _row_layout(t: torch.Tensor) -> tuple[int, int] | None:
 def can_stream_rows(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether :func:`stream_copy_rows` can copy ``src`` into ``dst`` with streaming
     stores: CPU tensors of one dtype and shape, each dim-0 row contiguous in both, rows a
-    multiple of 32 bytes, and ``dst`` rows 32-byte aligned."""
+    multiple of 32 bytes, ``dst`` rows 32-byte aligned, and enough bytes to be worth it."""
     if (
         dst.dim() < 2
         or src.device.type != "cpu"
         or dst.device.type != "cpu"
         or src.dtype != dst.dtype
         or src.shape != dst.shape
-        or src.is_conj()
-        or src.is_neg()
+        or not _plain(dst, src)
         or dst.data_ptr() % _ALIGN
     ):
         return False
@@ -227,7 +234,8 @@ def can_stream_rows(dst: torch.Tensor, src: torch.Tensor) -> bool:
         return False
     row_bytes, dst_stride = dst_rows
     return (
-        row_bytes > 0
+        row_bytes * dst.shape[0] >= _MIN_ROWS_BYTES
+        and row_bytes > 0
         and row_bytes % _ALIGN == 0
         and dst_stride % _ALIGN == 0
         and (dst_stride >= row_bytes or dst.shape[0] == 1)  # rows must not overlap

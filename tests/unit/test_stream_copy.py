@@ -109,7 +109,8 @@ def test_disabled_by_environment():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 @pytest.mark.parametrize("cols_bytes", [(64, 256), (96, 96), (32, 4096)])
-def test_rows_land_in_strided_slots_exactly(dtype, cols_bytes):
+def test_rows_land_in_strided_slots_exactly(dtype, cols_bytes, monkeypatch):
+    monkeypatch.setattr(_stream_copy, "_MIN_ROWS_BYTES", 0)
     part_bytes, other_bytes = cols_bytes
     itemsize = torch.empty(0, dtype=dtype).element_size()
     part_cols, other_cols = part_bytes // itemsize, other_bytes // itemsize
@@ -123,7 +124,9 @@ def test_rows_land_in_strided_slots_exactly(dtype, cols_bytes):
     assert not dest[:, :other_cols].any()  # nothing written outside the slot
 
 
-def test_rows_it_cannot_stream_are_still_copied():
+def test_rows_it_cannot_stream_are_still_copied(monkeypatch):
+    monkeypatch.setattr(_stream_copy, "_MIN_ROWS_BYTES", 0)
+    assert can_stream_rows(torch.zeros(4, 8), torch.zeros(4, 8)) == streaming_available()
     dest = torch.zeros(64, 24)  # 8-float slot rows are 32 bytes, 4-float ones are not
     src = torch.randn(64, 4)
     assert not can_stream_rows(dest[:, :4], src)  # 16-byte rows
@@ -135,3 +138,5 @@ def test_rows_it_cannot_stream_are_still_copied():
     assert torch.equal(dest[:, 8:16], column_major)
     assert not can_stream_rows(dest[:, 16:24], torch.randn(64, 8).double())
     assert not can_stream_rows(torch.zeros(8), torch.zeros(8))  # 1-d
+    monkeypatch.setattr(_stream_copy, "_MIN_ROWS_BYTES", 64 << 10)
+    assert not can_stream_rows(torch.zeros(4, 8), torch.zeros(4, 8))  # too small to pay
