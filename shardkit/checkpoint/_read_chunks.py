@@ -26,7 +26,7 @@ from ._errors import CorruptCheckpointError
 from ._format import ChunkMeta, num_rows, row_bytes
 from ._planner import LoadPlanner, ReadItem
 from ._storage import FileSystemReader, StorageReader
-from ._stream_copy import can_stream_rows, stream_copy_rows
+from ._stream_copy import can_stream_rows, stream_copy_rows, stream_rows_checked
 
 __all__ = ["LocalFiles", "chunk_label", "read_items"]
 
@@ -119,14 +119,15 @@ def _populate(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
         pass  # older kernels: the pages fault in as they are read
 
 
-def _mapped_chunk(files: LocalFiles, item: ReadItem, dtype: torch.dtype):
-    """The chunk's bytes in the file's memory map, and the same bytes as a tensor."""
+def _mapped_chunk(files: LocalFiles, item: ReadItem, dtype: torch.dtype, used: range):
+    """The chunk's bytes in the file's memory map, and the same bytes as a tensor; the
+    ``used`` byte range of the chunk (the rows this item reads) is faulted in up front."""
     chunk = item.chunk
     mapped = files.mapping(chunk.file)
     raw = mapped[chunk.offset : chunk.offset + chunk.nbytes]
     if len(raw) != chunk.nbytes:
         raise CorruptCheckpointError(f"cannot read {chunk_label(item.key, chunk)}")
-    _populate(mapped.obj, chunk.offset, chunk.nbytes)
+    _populate(mapped.obj, chunk.offset + used.start, len(used))
     whole = (
         torch.frombuffer(raw, dtype=torch.uint8)
         if chunk.nbytes
@@ -185,7 +186,9 @@ def _pieces(
                 digest.update(view)
                 continue
             if mapped is None and files.usable:
-                mapped, whole = _mapped_chunk(files, item, dtype)
+                last = min(math.ceil(r1 / block) * block, rows)
+                used = range(r0 // block * block * rb, last * rb)
+                mapped, whole = _mapped_chunk(files, item, dtype, used)
             if mapped is not None:  # no copy into scratch: the page cache is the source
                 digest.update(mapped[ps * rb : pe * rb])
                 if lo < hi:
@@ -257,7 +260,7 @@ def _write_band(out: torch.Tensor, dim: int, parts: list[torch.Tensor]) -> None:
         start += part.shape[dim]
     if all(can_stream_rows(slot, part) for slot, part in zip(slots, parts)):
         for slot, part in zip(slots, parts):
-            stream_copy_rows(slot, part)
+            stream_rows_checked(slot, part)
     else:
         torch.cat(parts, dim=dim, out=out)
 

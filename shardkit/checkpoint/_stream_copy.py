@@ -29,7 +29,13 @@ import threading
 
 import torch
 
-__all__ = ["can_stream_rows", "stream_copy", "stream_copy_rows", "streaming_available"]
+__all__ = [
+    "can_stream_rows",
+    "stream_copy",
+    "stream_copy_rows",
+    "stream_rows_checked",
+    "streaming_available",
+]
 
 _PAGE = 4096
 _BLOCK = 4 * _PAGE  # bytes per outer iteration: four pages side by side
@@ -199,7 +205,8 @@ def stream_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
         return
     body = nbytes // _BLOCK * _BLOCK
-    _routines.blocks(dst.data_ptr(), src.data_ptr(), body)
+    if body:  # the routine needs at least one block
+        _routines.blocks(dst.data_ptr(), src.data_ptr(), body)
     if body < nbytes:
         flat_dst, flat_src = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
         flat_dst[body:].copy_(flat_src[body:])
@@ -235,6 +242,7 @@ def can_stream_rows(dst: torch.Tensor, src: torch.Tensor) -> bool:
     row_bytes, dst_stride = dst_rows
     return (
         row_bytes * dst.shape[0] >= _MIN_ROWS_BYTES
+        and dst.shape[0] > 0  # the routine needs at least one row
         and row_bytes > 0
         and row_bytes % _ALIGN == 0
         and dst_stride % _ALIGN == 0
@@ -246,9 +254,15 @@ def can_stream_rows(dst: torch.Tensor, src: torch.Tensor) -> bool:
 def stream_copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` row by row with streaming stores (``copy_`` unless
     :func:`can_stream_rows`)."""
-    if not can_stream_rows(dst, src) or dst.shape[0] == 0:
+    if can_stream_rows(dst, src):
+        stream_rows_checked(dst, src)
+    else:
         dst.copy_(src)
-        return
+
+
+def stream_rows_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """:func:`stream_copy_rows` for a pair that :func:`can_stream_rows` already accepted
+    (callers that check a whole band first do not pay for the checks twice)."""
     row_bytes, dst_stride = _row_layout(dst)
     _, src_stride = _row_layout(src)
     _routines.rows(dst.data_ptr(), src.data_ptr(), dst.shape[0], row_bytes, dst_stride, src_stride)

@@ -87,9 +87,9 @@ def test_aligned_rows_are_written_with_streaming_stores(tmp_path, bands, monkeyp
 
     monkeypatch.setattr(_stream_copy, "_MIN_ROWS_BYTES", 0)  # this test's pieces are tiny
     streamed = []
-    real = _read_chunks.stream_copy_rows
+    real = _read_chunks.stream_rows_checked
     monkeypatch.setattr(
-        _read_chunks, "stream_copy_rows", lambda d, s: (streamed.append(s.shape), real(d, s))
+        _read_chunks, "stream_rows_checked", lambda d, s: (streamed.append(s.shape), real(d, s))
     )
     full = torch.randn(96, 48)  # float32 column chunks of 16 and 32: 64- and 128-byte rows
     dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([16]))

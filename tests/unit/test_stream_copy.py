@@ -138,5 +138,7 @@ def test_rows_it_cannot_stream_are_still_copied(monkeypatch):
     assert torch.equal(dest[:, 8:16], column_major)
     assert not can_stream_rows(dest[:, 16:24], torch.randn(64, 8).double())
     assert not can_stream_rows(torch.zeros(8), torch.zeros(8))  # 1-d
+    assert not can_stream_rows(torch.zeros(0, 8), torch.zeros(0, 8))  # no rows
+    stream_copy_rows(torch.zeros(0, 8), torch.zeros(0, 8))
     monkeypatch.setattr(_stream_copy, "_MIN_ROWS_BYTES", 64 << 10)
     assert not can_stream_rows(torch.zeros(4, 8), torch.zeros(4, 8))  # too small to pay
