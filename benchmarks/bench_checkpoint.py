@@ -84,7 +84,7 @@ def _memcpy(tensors, share: int) -> dict:
     that shardkit stages with, so its own overhead over that copy shows too."""
     import torch
 
-    from shardkit.checkpoint._stream_copy import stream_copy
+    from shardkit.checkpoint._core._stream_copy import stream_copy
 
     flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
     part, left = [], share
@@ -114,7 +114,7 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     from torch.distributed.tensor import DTensor  # noqa: F401  (import cost outside the base)
 
     import shardkit.checkpoint as dcp
-    from shardkit.checkpoint._save import join_cleanups
+    from shardkit.checkpoint._core._save import join_cleanups
 
     rank = dist.get_rank()
     barrier = dist.barrier
@@ -184,7 +184,7 @@ def _save_phase(root: str, total_mib: int, repeats: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardkit.checkpoint as dcp
-    from shardkit.checkpoint._save import join_cleanups
+    from shardkit.checkpoint._core._save import join_cleanups
 
     init_device_mesh("cpu", (2,))
     sd = _state(total_mib, dist.get_rank())

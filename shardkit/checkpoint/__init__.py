@@ -5,13 +5,12 @@ written last as the commit; every chunk carries a checksum verified on load, and
 is ever unpickled unless the caller opts in. See docs/checkpoint.md.
 """
 
-from ._async import async_save
-from ._errors import CheckpointError, CorruptCheckpointError
-from ._flatten import Stateful
-from ._format import ChunkMeta, Metadata, ObjectMeta, TensorMeta
-from ._load import is_committed, load, read_metadata
-from ._manager import CheckpointManager
-from ._planner import (
+from ._core._async import async_save
+from ._core._errors import CheckpointError, CorruptCheckpointError
+from ._core._flatten import Stateful
+from ._core._format import ChunkMeta, Metadata, ObjectMeta, TensorMeta
+from ._core._load import is_committed, load, read_metadata
+from ._core._planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
     LoadPlan,
@@ -23,10 +22,17 @@ from ._planner import (
     SPMDSavePlanner,
     WriteItem,
 )
-from ._prime import prime_optimizer
-from ._retention import AnyPreservationPolicy, BestN, EveryNSteps, LatestN, PreservationPolicy
-from ._save import save
-from ._storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
+from ._core._save import save
+from ._core._storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
+from ._manager._manager import CheckpointManager
+from ._manager._prime import prime_optimizer
+from ._manager._retention import (
+    AnyPreservationPolicy,
+    BestN,
+    EveryNSteps,
+    LatestN,
+    PreservationPolicy,
+)
 
 __all__ = [
     "AnyPreservationPolicy",

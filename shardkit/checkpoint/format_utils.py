@@ -11,7 +11,7 @@ They run in one process (or on every rank alike when a process group is initiali
 since writing a checkpoint is collective). See docs/state-dict.md.
 """
 
-from ._format_utils import (
+from ._convert._convert import (
     dcp_to_torch_save,
     from_safetensors,
     import_torch_dcp,

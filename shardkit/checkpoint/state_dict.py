@@ -6,10 +6,10 @@ through the protocols in ``docs/architecture.md``. Optimizer state is keyed by p
 FQN, so a checkpoint written on N ranks loads on M. See ``docs/state-dict.md``.
 """
 
-from ._state_dict import get_state_dict, set_state_dict
-from ._state_dict_model import IncompatibleKeys, get_model_state_dict, set_model_state_dict
-from ._state_dict_optim import get_optimizer_state_dict, set_optimizer_state_dict
-from ._state_dict_options import StateDictOptions
+from ._state_dict._api import get_state_dict, set_state_dict
+from ._state_dict._model import IncompatibleKeys, get_model_state_dict, set_model_state_dict
+from ._state_dict._optim import get_optimizer_state_dict, set_optimizer_state_dict
+from ._state_dict._options import StateDictOptions
 
 __all__ = [
     "IncompatibleKeys",

@@ -63,7 +63,7 @@ def _save_4(path):
     import torch.distributed as dist
 
     import shardkit.spmd as xs
-    from shardkit.checkpoint import _format
+    from shardkit.checkpoint._core import _format
 
     _format.BLOCK_BYTES = 16  # row-sized checksum blocks, so partial reads are row-exact
     rank = dist.get_rank()

@@ -127,7 +127,8 @@ def _body(tmp, s3_opts):
 
     # 4. A background save that fails on rank 0 only raises on both ranks at the same
     #    next call (an off-interval one), naming the step, and nothing hangs.
-    from shardkit.checkpoint import CheckpointError, _manager_io
+    from shardkit.checkpoint import CheckpointError
+    from shardkit.checkpoint._manager import _io as _manager_io
 
     real = _manager_io._writer
 

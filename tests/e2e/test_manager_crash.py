@@ -86,7 +86,7 @@ def _loop(url: str, conn) -> None:
 def test_sigkill_at_random_moments_never_loses_a_committed_step(tmp_path):
     import torch.distributed.tensor  # noqa: F401  (imported once here, not in every child)
 
-    from shardkit.checkpoint._manager_storage import StepStore
+    from shardkit.checkpoint._manager._storage import StepStore
 
     url = str(tmp_path / "run")
     # fork: each restart is a copy of this already-warm process (torch and shardkit

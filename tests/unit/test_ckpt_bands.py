@@ -9,7 +9,7 @@ import torch
 from column_planner import ColumnPlanner
 
 import shardkit.checkpoint as dcp
-from shardkit.checkpoint import _format, _read_chunks
+from shardkit.checkpoint._core import _format, _read_chunks
 
 
 @pytest.fixture
@@ -82,8 +82,8 @@ def test_corrupt_chunk_in_a_band_is_named(tmp_path, bands):
 
 
 def test_aligned_rows_are_written_with_streaming_stores(tmp_path, bands, monkeypatch):
-    from shardkit.checkpoint import _stream_copy
-    from shardkit.checkpoint._stream_copy import streaming_available
+    from shardkit.checkpoint._core import _stream_copy
+    from shardkit.checkpoint._core._stream_copy import streaming_available
 
     monkeypatch.setattr(_stream_copy, "_MIN_ROWS_BYTES", 0)  # this test's pieces are tiny
     streamed = []

@@ -168,7 +168,7 @@ def test_bad_arguments_name_the_fix(tmp_path):
 
 @pytest.mark.parametrize("piece_bytes", [1 << 20, 200])
 def test_column_chunks_land_in_strided_rows_and_are_verified(tmp_path, monkeypatch, piece_bytes):
-    from shardkit.checkpoint import _format, _read_chunks
+    from shardkit.checkpoint._core import _format, _read_chunks
 
     # small checksum blocks and (in one run) pieces smaller than a block and than a row
     monkeypatch.setattr(_format, "BLOCK_BYTES", 400)

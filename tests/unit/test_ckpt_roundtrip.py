@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 import shardkit.checkpoint as dcp
-from shardkit.checkpoint import _format, _save
+from shardkit.checkpoint._core import _format, _save
 from shardkit.spmd.layout import Box
 
 DTYPES = [
@@ -203,7 +203,7 @@ def test_global_plan_rejects_inconsistent_ranks():
 
 
 def test_async_save_round_trip_and_buffer_reuse(tmp_path):
-    from shardkit.checkpoint import _async
+    from shardkit.checkpoint._core import _async
 
     sd = {"a": torch.randn(64, 64), "b": torch.arange(100), "step": 1}
     fut = dcp.async_save(sd, checkpoint_id=tmp_path / "one")

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from torch import nn
 
 import shardkit.checkpoint as dist_cp
-from shardkit.checkpoint import _format_utils_io, format_utils
+from shardkit.checkpoint import format_utils
+from shardkit.checkpoint._convert import _io as _format_utils_io
 
 
 def _state():

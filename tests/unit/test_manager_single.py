@@ -117,7 +117,7 @@ def test_policies_keep_every_k_and_best_n(tmp_path):
 
 
 def test_failed_background_save_names_the_step(tmp_path, monkeypatch):
-    from shardkit.checkpoint import _manager_io
+    from shardkit.checkpoint._manager import _io as _manager_io
 
     real = _manager_io._writer
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from shardkit.checkpoint import save
-from shardkit.checkpoint._manager_storage import StepStore, step_dir_name
-from shardkit.checkpoint._preemption import PreemptionWatcher
-from shardkit.checkpoint._prime import prime_optimizer
-from shardkit.checkpoint._retention import (
+from shardkit.checkpoint._manager._preemption import PreemptionWatcher
+from shardkit.checkpoint._manager._prime import prime_optimizer
+from shardkit.checkpoint._manager._retention import (
     AnyPreservationPolicy,
     BestN,
     EveryNSteps,
     LatestN,
     steps_to_delete,
 )
+from shardkit.checkpoint._manager._storage import StepStore, step_dir_name
 
 OPTIMS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shardkit.checkpoint as dcp
-from shardkit.checkpoint import _stream_copy
-from shardkit.checkpoint._stream_copy import (
+from shardkit.checkpoint._core import _stream_copy
+from shardkit.checkpoint._core._stream_copy import (
     can_stream_rows,
     stream_copy,
     stream_copy_rows,
@@ -100,7 +100,7 @@ def test_async_save_stages_through_it_and_round_trips(tmp_path, calls):
 
 
 def test_disabled_by_environment():
-    code = "from shardkit.checkpoint._stream_copy import streaming_available as a; print(a())"
+    code = "from shardkit.checkpoint._core._stream_copy import streaming_available as a; print(a())"
     env = dict(os.environ, SHARDKIT_STREAMING_COPY="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

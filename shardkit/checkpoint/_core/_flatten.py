@@ -12,8 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..spmd import ShardedTensor
-from ..spmd.layout import Box, chunk_bounds
+from ...spmd import ShardedTensor
+from ...spmd.layout import Box, chunk_bounds
 from ._format import is_json_value
 
 __all__ = ["Stateful"]

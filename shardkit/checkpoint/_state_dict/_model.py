@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from ._state_dict_fqn import (
+from ._fqn import (
     clean_key,
     param_fqns,
     root_sharded_module,
@@ -16,8 +16,8 @@ from ._state_dict_fqn import (
     under,
     unwrap,
 )
-from ._state_dict_options import StateDictOptions, resolve_options
-from ._state_dict_values import check_compatible, export_value, import_value
+from ._options import StateDictOptions, resolve_options
+from ._values import check_compatible, export_value, import_value
 
 __all__ = ["IncompatibleKeys", "get_model_state_dict", "set_model_state_dict"]
 

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import CheckpointError
-from ._manager_checks import check_metrics as _check_metrics
-from ._manager_checks import nonneg_int as _nonneg_int
-from ._manager_comm import agree_flags, broadcast_json
-from ._manager_storage import StepStore
+from .._core._errors import CheckpointError
+from ._checks import check_metrics as _check_metrics
+from ._checks import nonneg_int as _nonneg_int
+from ._comm import agree_flags, broadcast_json
 from ._preemption import PreemptionWatcher
 from ._retention import AnyPreservationPolicy as _Any
 from ._retention import LatestN, PreservationPolicy, steps_to_delete
+from ._storage import StepStore
 
 __all__ = ["CheckpointManager"]
 
@@ -244,7 +244,7 @@ class CheckpointManager:
         # (so at most max_to_keep + max_pending_async committed steps exist at any time).
         self._wait_in_flight(0 if blocking else self.max_pending_async - 1)
         self._wait_retention()
-        from . import _manager_io as io
+        from . import _io as io
 
         if self._is_coordinator:
             try:
@@ -368,7 +368,7 @@ class CheckpointManager:
                 f"step {step} has no committed checkpoint under {self.path}; "
                 f"committed steps: {steps}"
             )
-        from . import _manager_io as io
+        from . import _io as io
 
         io.load_step(self, step, state_dict)
         return state_dict

@@ -10,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from ._storage import FileSystemReader, FileSystemWriter
+from .._core._storage import FileSystemReader, FileSystemWriter
 
 if TYPE_CHECKING:
     from ._manager import CheckpointManager
@@ -20,7 +20,7 @@ __all__ = ["is_committed_step", "load_step", "save_step", "save_step_async"]
 
 def is_committed_step(store, step: int) -> bool:
     """The core's ``is_committed`` for one step: metadata parses, every file has its size."""
-    from ._load import is_committed
+    from .._core._load import is_committed
 
     return is_committed(store.step_url(step), storage_options=store.storage_options)
 
@@ -37,20 +37,20 @@ def _reader(mgr: CheckpointManager, step: int) -> FileSystemReader:
 
 def save_step(mgr: CheckpointManager, step: int, state_dict: dict) -> None:
     """Blocking save of ``step``, coordinated over the manager's private group."""
-    from ._save import save
+    from .._core._save import save
 
     save(state_dict, storage_writer=_writer(mgr, step), process_group=mgr._ctrl)
 
 
 def save_step_async(mgr: CheckpointManager, step: int, state_dict: dict) -> Future:
     """Stage ``state_dict`` and commit ``step`` in the background (async group)."""
-    from . import async_save
+    from .. import async_save
 
     return async_save(state_dict, storage_writer=_writer(mgr, step), process_group=mgr._async_group)
 
 
 def load_step(mgr: CheckpointManager, step: int, state_dict: dict) -> None:
     """In-place, resharding load of committed ``step``."""
-    from ._load import load
+    from .._core._load import load
 
     load(state_dict, storage_reader=_reader(mgr, step), process_group=mgr._ctrl)

@@ -12,8 +12,9 @@ from typing import Any
 import fsspec
 import torch
 
-from ._format import decode_value, encode_value, is_json_value
-from ._format_utils_io import (
+from .._core._format import decode_value, encode_value, is_json_value
+from .._core._save import save
+from ._io import (
     VALUES_KEY,
     SafetensorsStreamWriter,
     TensorArena,
@@ -26,7 +27,6 @@ from ._format_utils_io import (
     read_safetensors,
     require_file,
 )
-from ._save import save
 
 __all__ = [
     "dcp_to_torch_save",

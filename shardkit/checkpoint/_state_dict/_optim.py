@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..spmd import ShardedTensor
-from ._state_dict_fqn import param_fqns, under
-from ._state_dict_model import submodule_prefixes
-from ._state_dict_options import StateDictOptions, resolve_options
-from ._state_dict_values import export_value, import_value, is_sharded
+from ...spmd import ShardedTensor
+from ._fqn import param_fqns, under
+from ._model import submodule_prefixes
+from ._options import StateDictOptions, resolve_options
+from ._values import export_value, import_value, is_sharded
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "as_optimizers"]
 

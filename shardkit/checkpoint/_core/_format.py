@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..spmd.layout import Box
+from ...spmd.layout import Box
 from ._errors import CorruptCheckpointError
 
 __all__ = ["Metadata", "TensorMeta", "ChunkMeta", "ObjectMeta"]

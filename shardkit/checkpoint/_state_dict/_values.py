@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..spmd import ShardedTensor, mark_sharding
+from ...spmd import ShardedTensor, mark_sharding
 
 __all__ = ["is_sharded", "export_value", "import_value", "check_compatible"]
 

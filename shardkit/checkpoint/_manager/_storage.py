@@ -16,7 +16,7 @@ from typing import Any
 
 import fsspec
 
-from ._format import METADATA_FILE
+from .._core._format import METADATA_FILE
 
 __all__ = ["StepStore"]
 
@@ -64,7 +64,7 @@ class StepStore:
 
     def is_committed(self, step: int) -> bool:
         """The core's check: committed metadata whose files all exist with their sizes."""
-        from ._manager_io import is_committed_step
+        from ._io import is_committed_step
 
         return is_committed_step(self, step)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ..spmd.layout import Box
+from ...spmd.layout import Box
 from ._comm import Comm
 from ._errors import CheckpointError
 from ._flatten import Flat, flatten

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..spmd.layout import Box
+from ...spmd.layout import Box
 from ._errors import CheckpointError
 from ._flatten import Flat, TensorLeaf
 from ._format import ChunkMeta, Metadata, dtype_from_name, dtype_name

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._state_dict_model import IncompatibleKeys, get_model_state_dict, set_model_state_dict
-from ._state_dict_optim import get_optimizer_state_dict, set_optimizer_state_dict
-from ._state_dict_options import StateDictOptions
+from ._model import IncompatibleKeys, get_model_state_dict, set_model_state_dict
+from ._optim import get_optimizer_state_dict, set_optimizer_state_dict
+from ._options import StateDictOptions
 
 __all__ = ["get_state_dict", "set_state_dict"]
 

@@ -17,11 +17,11 @@ import fsspec
 import torch
 from tqdm import tqdm
 
-from ._errors import CheckpointError, CorruptCheckpointError
-from ._format import Metadata, safetensors_dtype
-from ._load import load, load_with_metadata
-from ._planner import DefaultLoadPlanner
-from ._storage import FileSystemReader
+from .._core._errors import CheckpointError, CorruptCheckpointError
+from .._core._format import Metadata, safetensors_dtype
+from .._core._load import load, load_with_metadata
+from .._core._planner import DefaultLoadPlanner
+from .._core._storage import FileSystemReader
 
 __all__ = [
     "check_progress",

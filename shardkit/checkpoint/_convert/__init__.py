@@ -1,0 +1,1 @@
+"""Format conversions: torch.save, safetensors and torch DCP to and from shardkit."""

@@ -1,0 +1,1 @@
+"""The checkpoint core: format, storage, planning, save, load and async save."""

@@ -1,0 +1,1 @@
+"""CheckpointManager with its retention policies, preemption watcher and step store."""
