@@ -7,6 +7,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import sys
 import warnings
@@ -22,6 +23,7 @@ from .._core._format import Metadata, safetensors_dtype
 from .._core._load import load, load_with_metadata
 from .._core._planner import DefaultLoadPlanner
 from .._core._storage import FileSystemReader
+from .._core._validate import MAX_HEADER_BYTES, check_files
 
 __all__ = [
     "check_progress",
@@ -115,7 +117,11 @@ def checkpoint_metadata(checkpoint_id: str | os.PathLike) -> tuple[Metadata, _Ca
             f"no committed shardkit checkpoint at {os.fspath(checkpoint_id)!r} (its "
             "metadata.json is missing: wrong path, or the save never committed)"
         ) from None
-    return Metadata.from_json(raw, f"{os.fspath(checkpoint_id)}/metadata.json"), reader
+    metadata = Metadata.from_json(raw, f"{os.fspath(checkpoint_id)}/metadata.json")
+    # every declared byte must be backed by a file of the recorded size (and header) before
+    # anything is allocated or written from the declared shapes
+    check_files(reader, metadata, set(metadata.files), {})
+    return metadata, reader
 
 
 _ALIGN = 64
@@ -253,6 +259,22 @@ class SafetensorsStreamWriter:
         finally:
             self._file.close()
 
+    def abort(self) -> None:
+        """Close the file after a failure, without an error of its own (the caller's error
+        is the one to report; the caller removes the partial file)."""
+        self._file.close()
+
+
+def _open_regular(path: str):
+    """Open a local file for reading: never blocks on a FIFO, refuses anything but a
+    regular file (a FIFO, a device such as /dev/zero, a directory)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO or device?)")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
 
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of a safetensors file, and its ``__metadata__``.
@@ -261,7 +283,7 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     remote files are read whole.
     """
     if is_local(path):
-        with open(_local(path), "rb") as f:
+        with _open_regular(_local(path)) as f:
             buf: Any = (
                 mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                 if os.fstat(f.fileno()).st_size
@@ -274,6 +296,10 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     if len(buf) < 8:
         raise CorruptCheckpointError(f"{name}: too short to be a safetensors file")
     (hlen,) = struct.unpack("<Q", buf[:8])
+    if hlen > MAX_HEADER_BYTES:
+        raise CorruptCheckpointError(
+            f"{name}: header length {hlen} is more than the {MAX_HEADER_BYTES} bytes allowed"
+        )
     if 8 + hlen > len(buf):
         raise CorruptCheckpointError(f"{name}: header length {hlen} runs past the end of the file")
     try:
