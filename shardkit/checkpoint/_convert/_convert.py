@@ -232,12 +232,14 @@ def import_torch_dcp(
     other_keys = [k for k in md.state_dict_metadata if k not in set(tensor_keys)]
 
     def read(state: dict[str, Any]) -> None:
-        tdcp.load(
-            state,
-            storage_reader=reader,
-            planner=safe_dcp_planner(),
-            no_dist=True,
-        )
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            tdcp.load(state, storage_reader=reader, planner=safe_dcp_planner(), no_dist=True)
+        except CheckpointException as exc:  # a BaseException: unwrap the rank's own error
+            for inner, _ in exc.failures.values():
+                raise inner from None
+            raise
 
     values: dict[str, Any] = {}
     if other_keys:
