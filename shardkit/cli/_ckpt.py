@@ -96,6 +96,12 @@ def checkpoint_metadata(path: str):
     """The parsed metadata of the shardkit checkpoint at ``path``, with a clear error."""
     from ..checkpoint import read_metadata
 
+    require_checkpoint_dir(path)
+    return read_metadata(path)
+
+
+def require_checkpoint_dir(path: str) -> None:
+    """CliError unless ``path`` is a directory with a metadata.json (which is not read)."""
     fs, root = require_exists(path)
     if not fs.isdir(root):
         raise CliError(f"{path} is a file, not a shardkit checkpoint directory")
@@ -113,7 +119,6 @@ def checkpoint_metadata(path: str):
                 f"import it with: shardkit ckpt convert {path} DST --from torch-dcp --to shardkit"
             )
         raise CliError(f"{path} is not a shardkit checkpoint: it has no {METADATA_FILE}")
-    return read_metadata(path)
 
 
 def _step_dirs(fs, root: str) -> dict[int, str]:
@@ -316,7 +321,7 @@ def _verify_one(path: str, no_progress: bool) -> int:
     from ..checkpoint._core._format import Metadata
     from ..checkpoint._core._validate import check_files
 
-    checkpoint_metadata(path)  # a clear error when it is no checkpoint at all
+    require_checkpoint_dir(path)  # a clear error when it is no checkpoint at all
     reader = FileSystemReader(path)
     try:  # the metadata's own checksum, bounds and structure
         md = Metadata.from_json(reader.read_metadata(), f"{path}/{METADATA_FILE}")
