@@ -77,7 +77,6 @@ def _atol(text: str) -> float:
     return value
 
 
-
 def fs_and_path(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec file system and its path for a local path or URL."""
     fs, root = fsspec.core.url_to_fs(os.fspath(path))
@@ -378,7 +377,9 @@ def _verify_one(path: str, no_progress: bool) -> int:
         for key in sorted(md.objects):
             o = md.objects[key]
             if o.file in bad_files:
-                failures.append(f"file {o.file}, key {key!r}: unreadable (file missing or wrong size)")
+                failures.append(
+                    f"file {o.file}, key {key!r}: unreadable (file missing or wrong size)"
+                )
                 continue
             if digest_of(o.file, o.offset, o.nbytes) != o.checksum:
                 failures.append(f"file {o.file}, key {key!r} (pickled object): checksum mismatch")

@@ -109,9 +109,7 @@ def _from_shardkit(src: str, fmt: str, dst: str) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert SRC to DST; formats from --from/--to or detected from SRC and DST's suffix."""
-    src_fmt = args.from_ or detect_format(
-        args.src, hint=f"; pass --from {'|'.join(FORMATS_FROM)}"
-    )
+    src_fmt = args.from_ or detect_format(args.src, hint=f"; pass --from {'|'.join(FORMATS_FROM)}")
     dst_fmt = args.to or _target_format(args.dst)
     if src_fmt == dst_fmt:
         raise CliError(f"{args.src} is already in {src_fmt} format; pick another --to")

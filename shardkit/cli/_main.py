@@ -140,5 +140,6 @@ def _exit_code(exc: BaseException) -> int:
         pass
     return EXIT_ERROR
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -295,7 +295,9 @@ class Metadata:
                 where = f"key {key!r}"
                 chunks = tuple(
                     ChunkMeta(
-                        box=Box(tuple(_int(o) for o in c["offsets"]), tuple(_int(s) for s in c["sizes"])),
+                        box=Box(
+                            tuple(_int(o) for o in c["offsets"]), tuple(_int(s) for s in c["sizes"])
+                        ),
                         file=_str(c["file"]),
                         name=_str(c["name"]),
                         offset=_int(c["offset"]),

@@ -91,7 +91,7 @@ def _unseal(raw: bytes, source: str) -> bool:
     if len(raw) <= _SEAL_TAIL or not (tail.startswith(_SEAL_KEY) and tail.endswith(b'"}')):
         return False
     stored = tail[len(_SEAL_KEY) : -2]
-    actual = xxhash.xxh3_64_hexdigest(raw[: -_SEAL_TAIL]).encode()
+    actual = xxhash.xxh3_64_hexdigest(raw[:-_SEAL_TAIL]).encode()
     if stored != actual:
         raise CorruptCheckpointError(
             f"{source}: checksum mismatch (stored {stored.decode(errors='replace')!r}, "
@@ -143,8 +143,7 @@ def parse_metadata(raw: bytes, source: str) -> Metadata:
         )
     if version >= 2 and not sealed:
         raise CorruptCheckpointError(
-            f"{source}: its checksum (metadata_xxh3_64, the last member) is missing or "
-            "damaged"
+            f"{source}: its checksum (metadata_xxh3_64, the last member) is missing or damaged"
         )
     doc.pop("metadata_xxh3_64", None)
     if _depth(doc.get("values")) > MAX_NESTING - 2:
@@ -220,9 +219,7 @@ def validate(md: Metadata, source: str) -> None:
         _check_tiling(source, key, t)
         itemsize = t.dtype.itemsize
         for c in t.chunks:
-            label = (
-                f"key {key!r} chunk offsets={list(c.box.offsets)} sizes={list(c.box.sizes)}"
-            )
+            label = f"key {key!r} chunk offsets={list(c.box.offsets)} sizes={list(c.box.sizes)}"
             check_name(c.file, f"{source}: {label}: file")
             if c.file not in md.files:
                 _fail(source, label, f"file {c.file} is not listed in 'files'")
