@@ -23,7 +23,6 @@ from ._format import (
     FORMAT_NAME,
     READ_VERSIONS,
     Metadata,
-    TensorMeta,
     num_rows,
     safetensors_header,
 )
@@ -161,40 +160,27 @@ def _fail(source: str, what: str, why: str) -> None:
     raise CorruptCheckpointError(f"{source}: {what}: {why}")
 
 
-def _check_tiling(source: str, key: str, t: TensorMeta) -> None:
-    """The chunks of ``t`` lie inside its shape and cover it exactly once."""
-    ndim = len(t.shape)
-    total = 0
-    for c in t.chunks:
-        box = c.box
-        label = f"key {key!r} chunk offsets={list(box.offsets)} sizes={list(box.sizes)}"
-        if box.ndim != ndim:
-            _fail(source, label, f"has {box.ndim} dims but the tensor has shape {list(t.shape)}")
-        if any(e > s for e, s in zip(box.ends, t.shape)):
-            _fail(source, label, f"lies outside the tensor's shape {list(t.shape)}")
-        total += box.numel
-    numel = math.prod(t.shape)
-    boxes = sorted((c.box for c in t.chunks if not c.box.is_empty()), key=lambda b: b.offsets)
-    active: list = []  # sweep along dim 0: compare only chunks whose rows overlap
-    for box in boxes:
-        start = box.offsets[0] if ndim else 0
-        active = [b for b in active if (b.ends[0] if ndim else 1) > start]
-        for other in active:
-            if ndim == 0 or other.intersect(box) is not None:
+def _label(key: str, c: Any) -> str:
+    return f"key {key!r} chunk offsets={list(c.box.offsets)} sizes={list(c.box.sizes)}"
+
+
+def _check_overlaps(source: str, key: str, ndim: int, boxes: list) -> None:
+    """No two of ``boxes`` (``(offsets, ends)``, non-empty) share an element."""
+    # sweep along the dim the chunks split most: compare only chunks overlapping along it
+    d = max(range(ndim), key=lambda i: len({b[0][i] for b in boxes})) if ndim else 0
+    boxes.sort(key=lambda b: b[0][d] if ndim else 0)
+    active: list = []
+    for lo, hi in boxes:
+        if ndim:
+            active = [b for b in active if b[1][d] > lo[d]]
+        for olo, ohi in active:
+            if all(max(a, b) < min(c, e) for a, b, c, e in zip(lo, olo, hi, ohi)):
                 _fail(
                     source,
                     f"key {key!r}",
-                    f"chunks offsets={list(other.offsets)} sizes={list(other.sizes)} and "
-                    f"offsets={list(box.offsets)} sizes={list(box.sizes)} overlap",
+                    f"chunks at offsets={list(olo)} and offsets={list(lo)} overlap",
                 )
-        active.append(box)
-    if total != numel:
-        _fail(
-            source,
-            f"key {key!r}",
-            f"its chunks cover {total} of its {numel} elements (shape {list(t.shape)}): "
-            "a chunk is missing",
-        )
+        active.append((lo, hi))
 
 
 def validate(md: Metadata, source: str) -> None:
@@ -212,41 +198,60 @@ def validate(md: Metadata, source: str) -> None:
         check_name(name, f"{source}: file")
         if size < 0:
             _fail(source, f"file {name}", f"negative size {size}")
+    files = md.files
     ranges: dict[str, list[tuple[int, int, Any]]] = defaultdict(list)
     for key, t in md.tensors.items():
-        if any(s < 0 for s in t.shape):
-            _fail(source, f"key {key!r}", f"negative shape {list(t.shape)}")
-        _check_tiling(source, key, t)
+        shape, ndim = t.shape, len(t.shape)
+        if any(s < 0 for s in shape):
+            _fail(source, f"key {key!r}", f"negative shape {list(shape)}")
         itemsize = t.dtype.itemsize
+        total, boxes = 0, []
         for c in t.chunks:
-            label = f"key {key!r} chunk offsets={list(c.box.offsets)} sizes={list(c.box.sizes)}"
-            check_name(c.file, f"{source}: {label}: file")
-            if c.file not in md.files:
-                _fail(source, label, f"file {c.file} is not listed in 'files'")
+            offsets, sizes = c.box.offsets, c.box.sizes
+            if len(sizes) != ndim:
+                _fail(source, _label(key, c), f"has {len(sizes)} dims, the tensor {ndim}")
+            ends = tuple(o + n for o, n in zip(offsets, sizes))
+            if any(e > n for e, n in zip(ends, shape)):
+                _fail(source, _label(key, c), f"lies outside the tensor's shape {list(shape)}")
+            numel = math.prod(sizes)
+            total += numel
+            if numel:
+                boxes.append((offsets, ends))
+            if c.file not in files:  # names in `files` were checked above
+                check_name(c.file, f"{source}: {_label(key, c)}: file")
+                _fail(source, _label(key, c), f"file {c.file} is not listed in 'files'")
             if c.offset < 0 or c.nbytes < 0:
-                _fail(source, label, f"negative offset {c.offset} or nbytes {c.nbytes}")
-            if c.nbytes != c.box.numel * itemsize:
+                _fail(source, _label(key, c), f"negative offset {c.offset} or nbytes {c.nbytes}")
+            if c.nbytes != numel * itemsize:
                 _fail(
                     source,
-                    label,
-                    f"nbytes {c.nbytes} but {c.box.numel} {t.dtype} elements take "
-                    f"{c.box.numel * itemsize}",
+                    _label(key, c),
+                    f"nbytes {c.nbytes} but {numel} {t.dtype} elements take {numel * itemsize}",
                 )
-            if c.offset + c.nbytes > md.files[c.file]:
+            if c.offset + c.nbytes > files[c.file]:
                 _fail(
                     source,
-                    label,
+                    _label(key, c),
                     f"bytes {c.offset}..{c.offset + c.nbytes} run past the end of file "
-                    f"{c.file} ({md.files[c.file]} bytes)",
+                    f"{c.file} ({files[c.file]} bytes)",
                 )
             if c.block_rows < 1:
-                _fail(source, label, f"block_rows {c.block_rows} must be >= 1")
-            blocks = math.ceil(num_rows(c.box.sizes) / c.block_rows) if c.nbytes else 0
+                _fail(source, _label(key, c), f"block_rows {c.block_rows} must be >= 1")
+            blocks = -(-num_rows(sizes) // c.block_rows) if c.nbytes else 0
             if len(c.checksums) != blocks:
-                _fail(source, label, f"{len(c.checksums)} checksums for {blocks} blocks")
+                _fail(source, _label(key, c), f"{len(c.checksums)} checksums for {blocks} blocks")
             if not all(_HEX16.fullmatch(h) for h in c.checksums):
-                _fail(source, label, "a checksum is not 16 lowercase hex digits")
-            ranges[c.file].append((c.offset, c.nbytes, (c.name, t.dtype, c.box.sizes, c.nbytes)))
+                _fail(source, _label(key, c), "a checksum is not 16 lowercase hex digits")
+            ranges[c.file].append((c.offset, c.nbytes, (c.name, t.dtype, sizes, c.nbytes)))
+        if len(boxes) > 1:
+            _check_overlaps(source, key, ndim, boxes)
+        if total != math.prod(shape):
+            _fail(
+                source,
+                f"key {key!r}",
+                f"its chunks cover {total} of its {math.prod(shape)} elements (shape "
+                f"{list(shape)}): a chunk is missing",
+            )
     object_files = set()
     for key, o in md.objects.items():
         check_name(o.file, f"{source}: object {key!r}: file")
