@@ -58,8 +58,10 @@ def _check_files(reader: StorageReader, metadata: Metadata, names: set[str], why
 def is_committed(checkpoint_id: str | os.PathLike, *, storage_options: dict | None = None) -> bool:
     """Whether a complete, committed checkpoint is at ``checkpoint_id``.
 
-    True iff its metadata parses and every file it names exists with the recorded size
-    (checksums are verified on load, not here).
+    True iff its metadata parses and passes every structural check (its own checksum,
+    chunk tiling, plain file names, bounds), and every file it names is a regular file with
+    the recorded size and safetensors header (data checksums are verified on load, not
+    here). A damaged or hostile checkpoint is not committed.
     """
     reader = FileSystemReader(checkpoint_id, storage_options=storage_options)
     try:

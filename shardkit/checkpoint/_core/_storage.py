@@ -284,14 +284,14 @@ class FileSystemReader(_FileSystem):
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
+        if offset < 0:  # fsspec would read from the end
+            raise EOFError(f"{name}: negative offset {offset}")
         if not self.local:
             data = self.fs.cat_file(self.join(name), start=offset, end=offset + len(out))
             if len(data) != len(out):
                 raise EOFError(f"{name}: {len(data)} of {len(out)} bytes at offset {offset}")
             out[:] = data
             return
-        if offset < 0:
-            raise EOFError(f"{name}: negative offset {offset}")
         fd = self.open_local(name)
         try:
             pos, done = offset, 0
