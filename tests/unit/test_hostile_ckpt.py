@@ -250,3 +250,32 @@ def test_convert_reports_the_checksum_error_not_an_incomplete_file(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(dcp.CorruptCheckpointError, match="checksum mismatch.*'w'"):
         fu.to_safetensors(tmp_path / "c", tmp_path / "out.safetensors", progress=False)
+
+
+def _safetensors(header: dict, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+@pytest.mark.parametrize(
+    ("header", "fragment"),
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+          "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, "overlap"),
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, "bad shape"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}, "bad shape"),
+        ({"a": [1, 2]}, "not an object"),
+        ({"a": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}, "unsupported dtype"),
+        ({"a": {"dtype": "F32", "shape": [10**12], "data_offsets": [0, 4 * 10**12]}},
+         "inconsistent"),
+    ],
+)  # fmt: skip
+def test_a_hostile_safetensors_input_is_refused_by_from_safetensors(tmp_path, header, fragment):
+    """Shared or out-of-file byte ranges would let a conversion write more than it read."""
+    from shardkit.checkpoint import format_utils as fu
+
+    bad = tmp_path / "in.safetensors"
+    bad.write_bytes(_safetensors(header, bytes(8)))
+    with pytest.raises(dcp.CorruptCheckpointError, match=fragment):
+        fu.from_safetensors(bad, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

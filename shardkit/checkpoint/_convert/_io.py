@@ -276,6 +276,29 @@ def _open_regular(path: str):
     return os.fdopen(fd, "rb")
 
 
+def _entry(name: str, key: str, info: Any) -> tuple:
+    """``(shape, dtype, start, end)`` of one header entry, every field checked."""
+
+    def ints(value: Any) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        )
+
+    if not isinstance(info, dict):
+        raise CorruptCheckpointError(f"{name}: key {key!r}: header entry is not an object")
+    dtype = _ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+    if dtype is None:
+        raise CorruptCheckpointError(
+            f"{name}: key {key!r} has unsupported dtype {info.get('dtype')!r:.40}"
+        )
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not ints(shape) or not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise CorruptCheckpointError(
+            f"{name}: key {key!r}: bad shape {shape!r:.60} or data_offsets {offsets!r:.60}"
+        )
+    return tuple(shape), dtype, offsets[0], offsets[1]
+
+
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of a safetensors file, and its ``__metadata__``.
 
@@ -306,20 +329,19 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         header = json.loads(bytes(buf[8 : 8 + hlen]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpointError(f"{name}: safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{name}: safetensors header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
-    base, tensors = 8 + hlen, {}
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"{name}: safetensors __metadata__ is not an object")
+    base, tensors, spans = 8 + hlen, {}, []
     for key, info in header.items():
-        dtype = _ST_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise CorruptCheckpointError(
-                f"{name}: key {key!r} has unsupported dtype {info.get('dtype')!r}"
-            )
-        shape = tuple(int(s) for s in info["shape"])
-        start, end = (int(x) for x in info["data_offsets"])
+        shape, dtype, start, end = _entry(name, key, info)
         if end - start != math.prod(shape) * dtype.itemsize or base + end > len(buf):
             raise CorruptCheckpointError(
                 f"{name}: key {key!r} byte range {start}..{end} is inconsistent"
             )
+        spans.append((start, end, key))
         if start == end:
             tensors[key] = torch.empty(shape, dtype=dtype)
             continue
@@ -327,4 +349,8 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         if (base + start) % dtype.itemsize:
             raw = raw.clone()  # keep element access aligned
         tensors[key] = raw.view(dtype).reshape(shape)
+    spans.sort()
+    for (_, a_end, a_key), (b_start, _, b_key) in zip(spans, spans[1:]):
+        if b_start < a_end:  # shared bytes would multiply what a conversion writes
+            raise CorruptCheckpointError(f"{name}: keys {a_key!r} and {b_key!r} overlap")
     return tensors, meta
