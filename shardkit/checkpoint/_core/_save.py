@@ -119,11 +119,18 @@ def _assign_files(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
     return [b for b in bins if b]
 
 
-def prepare(state_dict: dict, planner: SavePlanner, comm: Comm, thread_count: int) -> SaveJob:
-    """Flatten, plan locally, exchange plans and plan globally (collective)."""
+def prepare(
+    state_dict: dict,
+    planner: SavePlanner,
+    comm: Comm,
+    thread_count: int,
+    *,
+    flat_fn: Callable[[], Flat] | None = None,
+) -> SaveJob:
+    """Flatten (or call ``flat_fn``), plan locally, exchange plans, plan globally (collective)."""
     error, payload, flat = None, None, None
     try:
-        flat = flatten(state_dict, for_save=True)
+        flat = flat_fn() if flat_fn is not None else flatten(state_dict, for_save=True)
         _refuse_pickle(flat, planner)
         planner.set_up_planner(flat, rank=comm.rank, world_size=comm.world_size)
         payload = {"plan": planner.create_local_plan().to_json()}
