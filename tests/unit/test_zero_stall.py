@@ -98,6 +98,13 @@ class _Gate:
         self.event.set()
 
 
+@pytest.fixture
+def gate(monkeypatch):
+    g = _Gate(monkeypatch)
+    yield g
+    g.open()  # a failed test must not leave the save thread waiting forever
+
+
 def test_immediate_large_steps_do_not_leak_into_the_checkpoint(tmp_path):
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=10.0)  # every step changes every byte
@@ -106,7 +113,8 @@ def test_immediate_large_steps_do_not_leak_into_the_checkpoint(tmp_path):
     for i in range(3):
         expected = _snapshot(_state(model, opt))
         fut = dcp.async_save(_state(model, opt), checkpoint_id=tmp_path / f"s{i}")
-        for k in range(3):  # no waiting for the save: step at once, with large updates
+        opt.step()  # at once (the last gradients are still there), long before staging ends
+        for k in range(2):  # and on, with large updates
             _step(model, opt, 10 * i + k + 1)
         fut.result(timeout=60)
         _assert_same(_load(tmp_path / f"s{i}", expected), expected)
@@ -115,11 +123,10 @@ def test_immediate_large_steps_do_not_leak_into_the_checkpoint(tmp_path):
     assert STATS.staged_saves == staged_before + 3  # every save took the zero-stall path
 
 
-def test_a_step_waits_until_its_tensors_are_staged(tmp_path, monkeypatch):
+def test_a_step_waits_until_its_tensors_are_staged(tmp_path, gate):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=5.0)
     _step(model, opt, 0)
-    gate = _Gate(monkeypatch)
     expected = _snapshot(_state(model, opt))
     fut = dcp.async_save(_state(model, opt), checkpoint_id=tmp_path)
     _step_thread = threading.Thread(target=_step, args=(model, opt, 1))
@@ -137,13 +144,12 @@ def test_a_step_waits_until_its_tensors_are_staged(tmp_path, monkeypatch):
     assert not torch.equal(model.state_dict()["3.weight"], expected["model"]["3.weight"])
 
 
-def test_in_place_change_outside_step_before_staging_is_refused(tmp_path, monkeypatch):
+def test_in_place_change_outside_step_before_staging_is_refused(tmp_path, gate):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, 0)
     previous = _snapshot(_state(model, opt))
     dcp.save(_state(model, opt), checkpoint_id=tmp_path)
-    gate = _Gate(monkeypatch)
     fut = dcp.async_save(_state(model, opt), checkpoint_id=tmp_path)
     with torch.no_grad():
         model[3].weight.mul_(2.0)  # a user's edit, not an optimizer step
@@ -170,13 +176,12 @@ def test_opt_out_stages_in_the_call(tmp_path):
         dcp.async_save({}, checkpoint_id=tmp_path, zero_stall="yes")
 
 
-def test_buffers_and_values_are_taken_at_the_call(tmp_path, monkeypatch):
+def test_buffers_and_values_are_taken_at_the_call(tmp_path, gate):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, 0)
     state = _state(model, opt)
     expected = _snapshot(state)
-    gate = _Gate(monkeypatch)
     fut = dcp.async_save(state, checkpoint_id=tmp_path)
     with torch.no_grad():
         model(torch.randn(32, 16))  # BatchNorm updates its running stats in place

@@ -107,6 +107,9 @@ _hook = register_optimizer_step_pre_hook(_pre_step)
 
 
 def _storage_key(t: torch.Tensor) -> tuple | None:
+    inner = getattr(t, "_local_tensor", None)  # ShardedTensor / DTensor: their local piece
+    if isinstance(inner, torch.Tensor):
+        t = inner
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
@@ -114,31 +117,36 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
     return (t.device, ptr) if ptr else None
 
 
-def _protected_storages() -> set[tuple]:
-    keys: set[tuple] = set()
+def _owners() -> dict[tuple, torch.Tensor]:
+    """Storage -> the tensor a known optimizer holds there (a parameter or a state tensor)."""
+    out: dict[tuple, torch.Tensor] = {}
     for opt in list(_known):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                keys.add(_storage_key(p))
+        tensors = [p for group in opt.param_groups for p in group["params"]]
         for state in opt.state.values():
             if isinstance(state, dict):
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        keys.add(_storage_key(value))
-    keys.discard(None)
-    return keys
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            key = _storage_key(t)
+            if key is not None:
+                out.setdefault(key, t)
+    return out
 
 
 @dataclass
 class Snapshot:
-    """What a zero-stall save checks: each protected key's tensor and version at the call."""
+    """What a zero-stall save checks: each protected key's tensors and their versions.
 
-    versions: dict[str, tuple[torch.Tensor, int]]
+    Two counters per key: the state dict's tensor and the optimizer's tensor on the same
+    storage. They differ when the state dict's tensor was made below autograd (a
+    ShardedTensor's ``detach`` runs in ``__torch_dispatch__`` and gets a new counter), so
+    an in-place change through either one is seen.
+    """
+
+    versions: dict[str, tuple[tuple[torch.Tensor, int], ...]]
 
     def check(self, key: str) -> None:
         """Raise if ``key``'s tensor changed in place since the call."""
-        guard = self.versions.get(key)
-        if guard is not None and guard[0]._version != guard[1]:
+        if any(t._version != v for t, v in self.versions.get(key, ())):
             raise CheckpointError(
                 f"key {key!r} was changed in place after async_save() was called and before "
                 "it was copied to the staging buffer: something other than optimizer.step() "
@@ -157,12 +165,13 @@ def protect(flat: Flat) -> Snapshot | None:
     for obj, _ in flat.statefuls:
         if isinstance(obj, torch.optim.Optimizer):
             _known.add(obj)
-    storages = _protected_storages()
-    versions: dict[str, tuple[torch.Tensor, int]] = {}
+    owners = _owners()
+    versions: dict[str, tuple[tuple[torch.Tensor, int], ...]] = {}
     others = []
     for key, leaf in flat.tensors.items():
-        if _storage_key(leaf.local) in storages:
-            versions[key] = (leaf.local, leaf.local._version)
+        owner = owners.get(_storage_key(leaf.local))
+        if owner is not None:
+            versions[key] = ((leaf.local, leaf.local._version), (owner, owner._version))
         else:
             others.append(leaf)
     if not versions:
