@@ -97,7 +97,7 @@ def redistribute_local(
     local, src = _resolve_partial(local, src, dst)
     if src.spec == dst.spec:
         return local
-    ranks = list(range(mesh.size))
+    ranks = list(range(mesh.size()))
     src_boxes = {r: src.box_of_rank(global_shape, r) for r in ranks}
     dst_boxes = {r: dst.box_of_rank(global_shape, r) for r in ranks}
     me = runtime.global_ordinal()
