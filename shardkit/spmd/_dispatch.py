@@ -79,7 +79,46 @@ def _sharded_type():
     return ShardedTensor
 
 
+def _plain_grad(grad):
+    """Hook on a plain leaf used with ShardedTensors: its gradient arrives sharded (or as a
+    pending sum); give it back whole, so the leaf's ``.grad`` is a plain tensor as in torch
+    and its optimizer step runs on plain tensors with no collective."""
+    return grad.full_tensor() if isinstance(grad, _sharded_type()) else grad
+
+
+def _watch(x) -> None:
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or not x.requires_grad:
+        return
+    if not x.is_leaf:
+        # the leaf sits a step or two up: a transposed weight (F.linear), a cast copy
+        _watch_graph(x.grad_fn, depth=2)
+    elif not any(h is _plain_grad for h in (x._backward_hooks or {}).values()):
+        x.register_hook(_plain_grad)
+
+
+def _watch_graph(node, depth: int) -> None:
+    for parent, _ in getattr(node, "next_functions", ()):
+        if parent is None:
+            continue
+        leaf = getattr(parent, "variable", None)
+        if leaf is not None:
+            _watch(leaf)
+        elif depth > 1:
+            _watch_graph(parent, depth - 1)
+
+
+def _watch_plain_leaves(args: tuple) -> None:
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                _watch(b)
+        else:
+            _watch(a)
+
+
 def dispatch(func, args: tuple, kwargs: dict):
+    if torch.is_grad_enabled():
+        _watch_plain_leaves(args)
     rule = _RULES[func] if func in _RULES else _rule_for(func)
     if rule is not None:
         out = rule(func, args, kwargs)
