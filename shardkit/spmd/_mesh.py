@@ -292,11 +292,19 @@ class HybridMesh(Mesh):
             )
         self.ici_mesh_shape = ici
         self.dcn_mesh_shape = dcn
-        grid = np.empty(tuple(i * d for i, d in zip(ici, dcn)), dtype=np.int64)
-        for coord in np.ndindex(*grid.shape):
-            outer = tuple(c // i for c, i in zip(coord, ici))
-            inner = tuple(c % i for c, i in zip(coord, ici))
-            grid[coord] = np.ravel_multi_index(outer, dcn) * block + np.ravel_multi_index(
-                inner, ici
-            )
+        grid = _hybrid_grid(ici, dcn)
         super().__init__(grid.reshape(-1), grid.shape, axis_names)
+
+
+def _hybrid_grid(ici: tuple[int, ...], dcn: tuple[int, ...]) -> np.ndarray:
+    """Ranks on the hybrid mesh: block ``b`` (row-major in ``dcn``) holds ranks
+    ``b * prod(ici) ...``, laid out row-major in ``ici`` inside its tile of the grid."""
+    block = int(np.prod(ici))
+    grid = np.empty(tuple(i * d for i, d in zip(ici, dcn)), dtype=np.int64)
+    for coord in np.ndindex(*grid.shape):
+        outer = tuple(c // i for c, i in zip(coord, ici))
+        inner = tuple(c % i for c, i in zip(coord, ici))
+        grid[coord] = int(np.ravel_multi_index(outer, dcn)) * block + int(
+            np.ravel_multi_index(inner, ici)
+        )
+    return grid

@@ -213,7 +213,8 @@ class ShardedTensor(torch.Tensor):
         """Write this process's shard back from :attr:`local_shards`-style shards."""
         placement = self._placement.without_partial()
         box = placement.box(self.shape)
-        mine = None if placement.is_replicated() else list(box.slices())
+        whole = self.sharding_type in (ShardingType.REPLICATED, ShardingType.MAXIMAL)
+        mine = None if whole else list(box.slices())
         for shard in shards:
             indices = None if shard.indices is Ellipsis else list(shard.indices)
             if indices == mine:
@@ -374,7 +375,12 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
     A leaf tensor (such as a parameter) gives a leaf ShardedTensor with the same
     ``requires_grad``; otherwise gradients flow back to ``t``.
     """
+    out = _mark_sharding(t, mesh, partition_spec)
     _warn_if_discarded(t)
+    return out
+
+
+def _mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) -> ShardedTensor:
     if isinstance(t, ShardedTensor):
         return t.redistribute(partition_spec, mesh)
     if not isinstance(t, torch.Tensor):
