@@ -7,6 +7,7 @@ Each case has its own time limit (SIGALRM), so a hang names its case.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import os
 import signal
 import traceback
@@ -251,7 +252,13 @@ def adamw_mixed_params_no_collectives():
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(4))
     for foreach in (False, True):
         r, m = _mixed_model(mesh)
-        opts = [torch.optim.AdamW(p.parameters(), lr=0.05, foreach=foreach) for p in (m, r)]
+        # gradients agree to ~1e-7 (sums in another order); some are ~1e-7 themselves,
+        # and Adam's g / (sqrt(v) + eps) amplifies that by lr / eps per step, then training
+        # feeds it back: a larger eps and a small lr keep the comparison about the step
+        # (measured: <= 5e-6 after 3 steps). Bit-exactness given equal gradients: next case.
+        opts = [
+            torch.optim.AdamW(p.parameters(), lr=0.01, eps=1e-3, foreach=foreach) for p in (m, r)
+        ]
         for _ in range(3):
             m(x).square().mean().full_tensor().backward()
             r(x).square().mean().backward()
@@ -270,7 +277,7 @@ def adamw_mixed_params_no_collectives():
                 o.zero_grad()
         for p, q in zip(m.parameters(), r.parameters()):
             got = p.full_tensor() if isinstance(p, xs.ShardedTensor) else p
-            assert torch.allclose(got, q, atol=1e-6), (got, q)
+            assert torch.allclose(got, q, atol=2e-5), float((got - q).abs().max())
 
 
 def adamw_mixed_params_exact():
@@ -377,6 +384,9 @@ CASES = [
 def run_all() -> dict:
     results = {}
     previous = signal.signal(signal.SIGALRM, _on_alarm)
+    # a rank stuck inside a collective never returns to Python for SIGALRM: print every
+    # thread's stack to stderr instead, so the hung case is named
+    faulthandler.dump_traceback_later(5 * CASE_SECONDS)
     try:
         for case in CASES:
             signal.alarm(CASE_SECONDS)
@@ -396,4 +406,5 @@ def run_all() -> dict:
             signal.alarm(0)
     finally:
         signal.signal(signal.SIGALRM, previous)
+        faulthandler.cancel_dump_traceback_later()
     return results
