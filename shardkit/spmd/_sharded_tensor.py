@@ -353,8 +353,8 @@ def _warn_if_discarded(t: torch.Tensor) -> None:
         return
     _WARNED_SITES.add(site)
     fix = (
-        "for a module's parameters, shard them in place with the module helper in docs/spmd.md "
-        "(it keeps tied weights), or setattr(module, name, xs.mark_sharding(param, ...))"
+        "for a module's parameters, shard them in place with "
+        "xs.shard_module(module, mesh, {name_pattern: spec}) (it keeps tied weights)"
         if isinstance(t, torch.nn.Parameter)
         else "assign the result: t = xs.mark_sharding(t, mesh, spec)"
     )

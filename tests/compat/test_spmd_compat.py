@@ -188,7 +188,7 @@ def test_assigned_mark_sharding_does_not_warn(one):
 @pytest.mark.timeout(30)
 def test_bare_mark_sharding_of_a_parameter_points_to_the_module_helper(one):
     layer = torch.nn.Linear(2, 4)
-    with pytest.warns(UserWarning, match="module's parameters, shard them in place"):
+    with pytest.warns(UserWarning, match=r"shard them in place with xs.shard_module\(module"):
         xs.mark_sharding(layer.weight, one, ("x", None))
     assert type(layer.weight) is torch.nn.Parameter  # unchanged, and the warning says so
 
