@@ -80,34 +80,23 @@ def _sharded_type():
 
 
 def _plain_grad(grad):
-    """Hook on a plain leaf used with ShardedTensors: its gradient arrives sharded (or as a
-    pending sum); give it back whole, so the leaf's ``.grad`` is a plain tensor as in torch
-    and its optimizer step runs on plain tensors with no collective."""
+    """Hook on a plain tensor used with ShardedTensors: its gradient arrives sharded (or as
+    a pending sum); give it back whole, so a plain parameter's ``.grad`` is a plain tensor
+    as in torch, plain layers upstream run their backward on plain tensors, and the
+    optimizer step of plain parameters needs no collective."""
     return grad.full_tensor() if isinstance(grad, _sharded_type()) else grad
 
 
 def _watch(x) -> None:
-    if type(x) not in (torch.Tensor, torch.nn.Parameter) or not x.requires_grad:
-        return
-    if not x.is_leaf:
-        # the leaf sits a step or two up: a transposed weight (F.linear), a cast copy
-        _watch_graph(x.grad_fn, depth=2)
-    elif not any(h is _plain_grad for h in (x._backward_hooks or {}).values()):
+    if (
+        type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.requires_grad
+        and not any(h is _plain_grad for h in (x._backward_hooks or {}).values())
+    ):
         x.register_hook(_plain_grad)
 
 
-def _watch_graph(node, depth: int) -> None:
-    for parent, _ in getattr(node, "next_functions", ()):
-        if parent is None:
-            continue
-        leaf = getattr(parent, "variable", None)
-        if leaf is not None:
-            _watch(leaf)
-        elif depth > 1:
-            _watch_graph(parent, depth - 1)
-
-
-def _watch_plain_leaves(args: tuple) -> None:
+def _watch_plain(args: tuple) -> None:
     for a in args:
         if isinstance(a, (list, tuple)):
             for b in a:
@@ -118,7 +107,7 @@ def _watch_plain_leaves(args: tuple) -> None:
 
 def dispatch(func, args: tuple, kwargs: dict):
     if torch.is_grad_enabled():
-        _watch_plain_leaves(args)
+        _watch_plain(args)
     rule = _RULES[func] if func in _RULES else _rule_for(func)
     if rule is not None:
         out = rule(func, args, kwargs)

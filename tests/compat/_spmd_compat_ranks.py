@@ -235,14 +235,21 @@ def mark_sharding_with_gradients():
 
 
 def _mixed_model(mesh):
+    """Plain layers first (upstream of every sharded op), then a column-sharded Linear, a
+    plain Linear and a LayerNorm with a replicated ShardedTensor weight."""
     torch.manual_seed(3)
     ref = torch.nn.Sequential(
-        torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3), torch.nn.LayerNorm(3)
+        torch.nn.Linear(4, 4),
+        torch.nn.Tanh(),
+        torch.nn.Linear(4, 6),
+        torch.nn.ReLU(),
+        torch.nn.Linear(6, 3),
+        torch.nn.LayerNorm(3),
     )
     model = copy.deepcopy(ref)
-    model[0].weight = xs.mark_sharding(model[0].weight, mesh, ("m", None))
-    model[0].bias = xs.mark_sharding(model[0].bias, mesh, ("m",))
-    model[3].weight = xs.mark_sharding(model[3].weight, mesh, (None,))  # replicated ST
+    model[2].weight = xs.mark_sharding(model[2].weight, mesh, ("m", None))
+    model[2].bias = xs.mark_sharding(model[2].bias, mesh, ("m",))
+    model[5].weight = xs.mark_sharding(model[5].weight, mesh, (None,))  # replicated ST
     return ref, model
 
 
