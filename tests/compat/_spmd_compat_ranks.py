@@ -373,6 +373,25 @@ def _torch_accepts(inputs, fn):
         return False
 
 
+def plain_state_sharded_grad():
+    """A plain (whole) optimizer state updated in place from a sharded gradient, as after
+    loading a plain optimizer state dict: one gather for the gradient, no fallback."""
+    mesh = xs.Mesh([0, 1], (2,), ("m",))
+    torch.manual_seed(6)
+    g, buf, sq = torch.randn(3, 4), torch.randn(3, 4), torch.rand(3, 4)
+    sg = xs.mark_sharding(g, mesh, ("m", None))
+    mine, ref = (buf.clone(), sq.clone()), (buf.clone(), sq.clone())
+    with xs.count_collectives() as counts:
+        mine[0].lerp_(sg, 0.1)
+        mine[1].mul_(0.9).addcmul_(sg, sg, value=0.1)
+    ref[0].lerp_(g, 0.1)
+    ref[1].mul_(0.9).addcmul_(g, g, value=0.1)
+    assert type(mine[0]) is torch.Tensor and type(mine[1]) is torch.Tensor
+    assert torch.equal(mine[0], ref[0]) and torch.equal(mine[1], ref[1])
+    assert dict(counts.calls) == {("all_gather", ("m",)): 1}, dict(counts.calls)
+    assert not counts.fallbacks, dict(counts.fallbacks)
+
+
 CASES = [
     mesh_attributes,
     unnamed_mesh,
@@ -385,6 +404,7 @@ CASES = [
     mark_sharding_with_gradients,
     adamw_mixed_params_no_collectives,
     adamw_mixed_params_exact,
+    plain_state_sharded_grad,
 ]
 
 

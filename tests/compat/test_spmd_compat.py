@@ -244,6 +244,7 @@ _TWO_RANK_CASES = [
     "mark_sharding_with_gradients",
     "adamw_mixed_params_no_collectives",
     "adamw_mixed_params_exact",
+    "plain_state_sharded_grad",
 ]
 
 
