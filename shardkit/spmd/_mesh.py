@@ -57,6 +57,7 @@ class Mesh:
                 f"mesh_shape {mesh_shape} holds {int(np.prod(mesh_shape))} devices but "
                 f"{ids.size} device_ids were given"
             )
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
         world = runtime.world_size()
         if ids.size != world:
             raise MeshError(
@@ -248,6 +249,7 @@ def get_global_mesh() -> Mesh | None:
 
 def get_1d_mesh(axis_name: str | None = None) -> Mesh:
     """A mesh of every rank along one axis (named ``axis_name``, or unnamed)."""
+    runtime.init()  # the world's size is the mesh's: join it first
     num_devices = runtime.global_runtime_device_count()
     names = None if axis_name is None else (axis_name,)
     return Mesh(np.arange(num_devices), (num_devices,), names)
