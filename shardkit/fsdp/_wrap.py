@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "always_wrap_policy",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "lambda_auto_wrap_policy",
@@ -17,6 +18,11 @@ __all__ = [
 
 #: Containers are never worth a unit of their own: they have no forward of note.
 _EXCLUDED = (nn.ModuleList, nn.ModuleDict)
+
+
+def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    """Wrap every submodule (as torch's and torch_xla's ``always_wrap_policy``)."""
+    return True
 
 
 def size_based_auto_wrap_policy(
@@ -85,6 +91,11 @@ def _numel(module: nn.Module, wrapper_cls: type) -> int:
     return total
 
 
+def _has_forward(module: nn.Module) -> bool:
+    """Containers with no forward (ModuleList, ModuleDict) cannot be units: none runs."""
+    return type(module).forward is not nn.Module.forward
+
+
 def auto_wrap(
     root: nn.Module,
     policy: Callable,
@@ -116,7 +127,12 @@ def auto_wrap(
                 setattr(module, name, new_child)
             wrapped += n
         remainder = numel - wrapped
-        if not is_root and policy(module, False, remainder) and self_contained(module):
+        if (
+            not is_root
+            and _has_forward(module)
+            and policy(module, False, remainder)
+            and self_contained(module)
+        ):
             return wrapper(module, **kwargs), numel
         return module, wrapped
 
