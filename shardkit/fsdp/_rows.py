@@ -54,9 +54,7 @@ def row_mesh(group_world: int) -> Mesh | None:
         return None
     mesh = _MESHES.get(group_world)
     if mesh is None:
-        mesh = _MESHES[group_world] = Mesh(
-            list(range(group_world)), (group_world,), (MESH_AXIS,)
-        )
+        mesh = _MESHES[group_world] = Mesh(list(range(group_world)), (group_world,), (MESH_AXIS,))
     return mesh
 
 

@@ -66,9 +66,7 @@ def check_xla_knobs(knobs: dict[str, Any], *, rank: int, world: int) -> None:
             _check_sharding(name, value, rank=rank, world=world)
             continue
         if name not in XLA_KNOBS:
-            raise TypeError(
-                f"FullyShardedDataParallel got an unexpected keyword argument {name!r}"
-            )
+            raise TypeError(f"FullyShardedDataParallel got an unexpected keyword argument {name!r}")
         default, meaning = XLA_KNOBS[name]
         if value != default and name not in _WARNED:
             _WARNED.add(name)
