@@ -160,13 +160,14 @@ class DistributedDataParallel(nn.Module):
     # -- training ----------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        src = 0
         if self._join is not None:
             sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-            self._join.announce(self, active=True, sync=sync)
+            src = self._join.announce(self, sync=sync)
         if self.broadcast_buffers and self._world > 1:
             buffers = list(self.module.buffers())
             if buffers:
-                self._broadcast(buffers)
+                self._broadcast(buffers, src=src)
         outputs = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.reducer.prepare(outputs)
