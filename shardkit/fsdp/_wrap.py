@@ -18,6 +18,9 @@ __all__ = [
 
 #: Containers are never worth a unit of their own: they have no forward of note.
 _EXCLUDED = (nn.ModuleList, nn.ModuleDict)
+#: Modules whose children are never units of their own (their forward reads the
+#: children's parameters directly).
+_LEAVES = (nn.MultiheadAttention,)
 
 
 def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
@@ -35,14 +38,17 @@ def size_based_auto_wrap_policy(
 ) -> bool:
     """Wrap a submodule once it holds at least ``min_num_params`` not-yet-wrapped parameters.
 
-    Use with ``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``.
-    ``force_leaf_modules`` are not descended into; ``exclude_wrap_modules`` (default
-    ``ModuleList`` / ``ModuleDict``) are never units themselves.
+    Use with ``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``. As
+    torch's: only modules that large are descended into; ``force_leaf_modules`` (default
+    ``MultiheadAttention``) never are; ``exclude_wrap_modules`` (default ``ModuleList`` /
+    ``ModuleDict``) are never units themselves.
     """
+    large = nonwrapped_numel >= min_num_params
     if recurse:
-        return not isinstance(module, tuple(force_leaf_modules or ()))
+        leaves = tuple(force_leaf_modules) if force_leaf_modules is not None else _LEAVES
+        return large and not isinstance(module, leaves)
     excluded = tuple(exclude_wrap_modules) if exclude_wrap_modules is not None else _EXCLUDED
-    return nonwrapped_numel >= min_num_params and not isinstance(module, excluded)
+    return large and not isinstance(module, excluded)
 
 
 def transformer_auto_wrap_policy(
