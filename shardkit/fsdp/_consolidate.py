@@ -81,9 +81,10 @@ def find_rank_files(
         raise ValueError(f"unexpected checkpoint file(s) {extra}: rank out of range 0..{world - 1}")
     missing = [r for r in range(world) if r not in by_rank]
     if missing:
+        names = [os.path.basename(rank_file_name(ckpt_prefix, r, world)) for r in missing]
         raise FileNotFoundError(
             f"missing checkpoint file(s) for rank(s) {missing} of {world} matching {pattern!r} "
-            f"(found {sorted(by_rank.values())})"
+            f"(conventionally named {names}; found {sorted(by_rank.values())})"
         )
     return [by_rank[r] for r in range(world)]
 
