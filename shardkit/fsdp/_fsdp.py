@@ -75,6 +75,15 @@ class FullyShardedDataParallel(nn.Module):
         fp32_reduce_scatter: reduce gradients in fp32 rather than ``compute_dtype``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
         forward_prefetch / backward_prefetch: issue the next unit's all-gather early.
+        param_init_fn: ``fn(module)`` run on each module holding meta-device tensors
+            before sharding; without it such modules get empty CPU storage and their
+            ``reset_parameters()`` (see docs/fsdp.md, deferred initialization).
+        **xla_options: torch_xla's XLA-only keywords, accepted by the rule in
+            docs/fsdp.md (no effect, one warning for a non-default value; those that
+            would change results are refused).
+
+    ``state_dict()`` values of sharded parameters are ShardedTensors holding this
+    rank's rows; see :meth:`state_dict`.
     """
 
     _shardkit_wrapper = True
