@@ -339,7 +339,16 @@ def _order_body():
 
         def record(state, bucket, seen=seen, model=model):
             names = {id(p): n for n, p in model.module.named_parameters()}
-            seen.append([names[id(p)] for p in bucket.parameters()])
+            seen.append(
+                (
+                    [names[id(p)] for p in bucket.parameters()],
+                    bucket.index(),
+                    bucket.is_last(),
+                    bucket.buffer().numel(),
+                    str(bucket.buffer().dtype),
+                    [tuple(g.shape) for g in bucket.gradients()],
+                )
+            )
             fut = torch.futures.Future()
             fut.set_result(bucket.buffer())
             return fut
@@ -350,10 +359,10 @@ def _order_body():
     return out
 
 
-def test_bucket_parameters_come_in_torch_order():
+def test_grad_bucket_values_and_parameter_order_match_torch():
     for res in run_ranks(_order_body, WORLD, timeout=60):
-        assert res["shardkit"] == res["torch"]
-        assert res["torch"][0][0] == "0.weight"
+        assert res["shardkit"] == res["torch"]  # names, index, is_last, numel, dtype, shapes
+        assert res["torch"][0][0][0] == "0.weight"
 
 
 def test_powersgd_state_takes_torch_positional_arguments():
