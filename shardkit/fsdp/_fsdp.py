@@ -360,7 +360,9 @@ class FullyShardedDataParallel(nn.Module):
         writes just the local rows. Buffers and 0-d parameters stay plain (replicated).
         """
         if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
-            destination, prefix, keep_vars = (*args, destination, prefix, keep_vars)[:3]
+            given = {"destination": destination, "prefix": prefix, "keep_vars": keep_vars}
+            given.update(zip(("destination", "prefix", "keep_vars"), args))
+            destination, prefix, keep_vars = given.values()
         out = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if not keep_vars and not self._nested:
             describe_rows(self, out, prefix)
@@ -394,6 +396,9 @@ class FullyShardedDataParallel(nn.Module):
             for m, n in mp.owners:  # torch's _apply unties shared parameters: tie again
                 m._parameters[n] = current
             mp.shard, mp.full = current, None
+        if not state.gathered:  # device or dtype may have changed: gather into new tensors
+            for mp in state.params:
+                mp.full = None
         if state.params:
             state.device = state.params[0].shard.device
             if self._opts.compute_dtype is None:
