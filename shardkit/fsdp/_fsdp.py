@@ -15,7 +15,7 @@ from ._build import prepare_buffers, shard_parameters
 from ._comm import group_info
 from ._meta import FSDPUsageError, materialize_meta, uses_checkpointing
 from ._options import FSDPOptions
-from ._rows import describe_rows, install_optimizer_hooks, local_rows
+from ._rows import describe_rows, install_optimizer_hooks, local_rows, row_entries
 from ._state import (
     clip_grad_norm,
     load_sharded_state_dict,
@@ -370,12 +370,9 @@ class FullyShardedDataParallel(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if not self._nested:
-            from ._state import iter_entries
-
-            for kind, _fqn, key, target in iter_entries(self):
-                k = prefix + key
-                if kind == "param" and k in state_dict:
-                    state_dict[k] = local_rows(state_dict[k], target[1].layout, self.rank)
+            for key, layout in row_entries(self, prefix):
+                if key in state_dict:
+                    state_dict[key] = local_rows(state_dict[key], layout, self.rank)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):

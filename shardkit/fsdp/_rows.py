@@ -22,6 +22,7 @@ from ..spmd import Mesh, Placement, ShardedTensor
 __all__ = ["RowShard", "row_mesh", "describe_rows", "local_rows", "install_optimizer_hooks"]
 
 MESH_AXIS = "fsdp"
+_CKPT_WRAPPED = "_checkpoint_wrapped_module"
 _MESHES: dict[int, Mesh] = {}
 _WARNED_GROUP = False
 
@@ -90,14 +91,34 @@ def local_rows(value: Any, layout, rank: int) -> Any:
     return value
 
 
+def row_entries(root, prefix: str) -> list[tuple[str, Any]]:
+    """(state_dict key, layout) of every sharded parameter under ``root``.
+
+    Walks the module tree as ``state_dict()`` does, without marking ``root`` as the
+    root unit (a unit may still be nested later).
+    """
+    from ._fsdp import FullyShardedDataParallel
+
+    layouts = {
+        id(mp.shard): mp.layout
+        for unit in root.modules()
+        if isinstance(unit, FullyShardedDataParallel)
+        for mp in unit._state.params
+        if not mp.layout.replicated
+    }
+    out = []
+    for name, param in root.named_parameters(remove_duplicate=False):
+        layout = layouts.get(id(param))
+        if layout is not None:  # torch's checkpoint_wrapper strips its attribute from keys
+            out.append((prefix + name.replace(_CKPT_WRAPPED + ".", ""), layout))
+    return out
+
+
 def describe_rows(root, out: dict, prefix: str) -> None:
     """Replace ``out``'s sharded parameter entries (plain rows) by RowShards, in place."""
-    from ._state import iter_entries
-
-    for kind, _fqn, key, target in iter_entries(root):
-        k = prefix + key
-        if kind == "param" and k in out:
-            out[k] = describe(out[k], target[1].layout, root.world_size)
+    for key, layout in row_entries(root, prefix):
+        if key in out:
+            out[key] = describe(out[key], layout, root.world_size)
 
 
 # -- optimizers ------------------------------------------------------------------------
