@@ -100,10 +100,19 @@ def _join_body(case):
     return _train(ours, steps, join=join), _train(ref, steps, join=join)
 
 
+def _all_joins_body():
+    return {case: _join_body(case) for case in JOIN_CASES}
+
+
+@pytest.fixture(scope="module")
+def joins():
+    """Every join case in one 2-rank run (one world start instead of five)."""
+    return run_ranks(_all_joins_body, WORLD, timeout=110)
+
+
 @pytest.mark.parametrize("case", list(JOIN_CASES))
-def test_join_uneven_inputs_matches_torch(case):
-    results = run_ranks(_join_body, WORLD, case, timeout=90)
-    (ours0, ref0), (ours1, ref1) = results
+def test_join_uneven_inputs_matches_torch(joins, case):
+    (ours0, ref0), (ours1, ref1) = (rank[case] for rank in joins)
     assert _same(ours0, ours1), "ranks differ after join"
     assert _same(ref0, ref1)
     assert _same(ours0, ref0, tol=1e-6)
@@ -247,11 +256,21 @@ def _hook_body(name):
     return out
 
 
+def _all_hooks_body():
+    return {name: _hook_body(name) for name in _hook_names()}
+
+
+@pytest.fixture(scope="module")
+def hooks():
+    """Every hook in one 2-rank run (one world start instead of eight)."""
+    return run_ranks(_all_hooks_body, WORLD, timeout=110)
+
+
 @pytest.mark.parametrize("name", _hook_names())
-def test_every_hook_gives_torch_values(name):
+def test_every_hook_gives_torch_values(hooks, name):
     tol = {"fp16_compress_hook": 1e-3, "bf16_compress_hook": 1e-2}.get(name, 2e-5)
     tol = {"fp16_compress_wrapper": 1e-3, "bf16_compress_wrapper": 1e-2}.get(name, tol)
-    for ours, ref in run_ranks(_hook_body, WORLD, name, timeout=90):
+    for ours, ref in (rank[name] for rank in hooks):
         assert _same(ours, ref, tol=tol), name
 
 
