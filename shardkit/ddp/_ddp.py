@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import numbers
 import zlib
@@ -11,17 +12,18 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
 from ._errors import CommHookError
 from ._grad_bucket import GradBucket
-from ._join import JoinState
+from ._join import DDPJoinHook, exchange
 from ._reducer import Reducer
 from .comm_hooks import _comm
 
 __all__ = ["DistributedDataParallel"]
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallel training: each rank runs the whole module on its own batch.
 
     Construction broadcasts rank 0's parameters and buffers. Each synced backward
@@ -68,6 +70,7 @@ class DistributedDataParallel(nn.Module):
         static_graph: bool = False,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}"
@@ -124,7 +127,7 @@ class DistributedDataParallel(nn.Module):
             process_group=self.process_group,
         )
         self._hook_registered = False
-        self._join: JoinState | None = None
+        self._join_divide_by_initial = True
 
     # -- setup -------------------------------------------------------------------
 
@@ -161,9 +164,11 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *inputs, **kwargs):
         src = 0
-        if self._join is not None:
+        if self._join_config.enable and self._world > 1:
+            Join.notify_join_context(self)  # counts this rank as still training
             sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-            src = self._join.announce(self, sync=sync)
+            count, _, src = exchange(self, active=True, sync=sync)
+            self.reducer.sum_divisor = None if self._join_divide_by_initial else count
         if self.broadcast_buffers and self._world > 1:
             buffers = list(self.module.buffers())
             if buffers:
@@ -217,16 +222,16 @@ class DistributedDataParallel(nn.Module):
         self.reducer.hook_state = state
         self._hook_registered = True
 
-    @contextmanager
     def join(
         self,
         divide_by_initial_world_size: bool = True,
         enable: bool = True,
         throw_on_early_termination: bool = False,
-    ) -> Iterator[None]:
+    ) -> contextlib.AbstractContextManager:
         """Train on uneven inputs: ranks whose data runs out first keep the others going.
 
-        Use as ``with model.join(): for batch in my_batches: ...``. A rank that leaves
+        Use as ``with model.join(): for batch in my_batches: ...`` (torch's
+        ``Join([model])``, which also works, with other joinables too). A rank that leaves
         the block shadows the collectives of every later iteration of the ranks still
         training (contributing zero gradients), and at the end every rank takes the
         parameters and buffers of a rank that finished last, so all end equal.
@@ -242,21 +247,28 @@ class DistributedDataParallel(nn.Module):
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"join: {name} must be True or False, got {flag!r}")
-        if not enable or self._world == 1:
-            yield
-            return
-        if self._join is not None:
-            raise RuntimeError("DDP.join() contexts cannot be nested")
-        self._join = JoinState(divide_by_initial_world_size, throw_on_early_termination)
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            state, self._join = self._join, None
-            self.reducer.sum_divisor = None
-            if ok:
-                state.shadow_until_all_joined(self)
+        if self._world == 1:
+            return contextlib.nullcontext()
+        return Join(
+            [self],
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs) -> DDPJoinHook:
+        """torch ``Joinable``: the hook a joined rank runs (``divide_by_initial_world_size``)."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """torch ``Joinable``: the device of this module's gradient buckets."""
+        return self.reducer.buckets[0].buffer.device
+
+    @property
+    def join_process_group(self):
+        """torch ``Joinable``: the group gradients are averaged over."""
+        return self.process_group
 
 
 def _check_signature(hook: Callable, sig: inspect.Signature, state: object) -> None:

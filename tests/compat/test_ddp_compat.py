@@ -49,7 +49,12 @@ def _train(model, steps, *, join=None, n=4):
     import torch.distributed as dist
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ctx = model.join(**join) if join is not None else _null()
+    if join == "Join":  # torch's own context manager over the module
+        from torch.distributed.algorithms.join import Join
+
+        ctx = Join([model])
+    else:
+        ctx = model.join(**join) if join is not None else _null()
     with ctx:
         for step in range(steps):
             opt.zero_grad()
@@ -79,6 +84,7 @@ JOIN_CASES = {
     "find_unused": ({}, {"find_unused_parameters": True}, True),
     "static_graph": ({}, {"static_graph": True}, True),
     "allreduce_hook": ({}, {"hook": "allreduce"}, False),
+    "torch_Join": ("Join", {}, False),
 }
 
 
