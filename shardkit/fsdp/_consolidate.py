@@ -57,7 +57,7 @@ def find_rank_files(
     paths = sorted(p for p in glob.glob(pattern) if os.path.abspath(p) not in skip)
     if not paths:
         raise FileNotFoundError(f"no checkpoint files match {pattern!r}")
-    by_rank: dict[int, str] = {}
+    found: list[tuple[int, int, str]] = []
     worlds: dict[int, list[str]] = {}
     for path in paths:
         meta = _peek_meta(path)
@@ -69,13 +69,16 @@ def find_rank_files(
                 f"{int(match.group(1))} of {int(match.group(2))}"
             )
         worlds.setdefault(world, []).append(path)
-        if rank in by_rank:
-            raise ValueError(f"two files claim rank {rank}: {by_rank[rank]!r} and {path!r}")
-        by_rank[rank] = path
+        found.append((rank, world, path))
     if len(worlds) > 1:
         detail = ", ".join(f"{n} ranks: {sorted(p)}" for n, p in sorted(worlds.items()))
         raise ValueError(f"checkpoint files from different world sizes match {pattern!r}: {detail}")
     world = next(iter(worlds))
+    by_rank: dict[int, str] = {}
+    for rank, _world, path in found:
+        if rank in by_rank:
+            raise ValueError(f"two files claim rank {rank}: {by_rank[rank]!r} and {path!r}")
+        by_rank[rank] = path
     extra = sorted(p for r, p in by_rank.items() if not 0 <= r < world)
     if extra:
         raise ValueError(f"unexpected checkpoint file(s) {extra}: rank out of range 0..{world - 1}")
