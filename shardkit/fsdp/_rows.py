@@ -18,11 +18,17 @@ import torch
 
 from .. import runtime
 from ..spmd import Mesh, Placement, ShardedTensor
+from ._state import _CKPT_WRAPPED, MESH_AXIS
 
-__all__ = ["RowShard", "row_mesh", "describe_rows", "local_rows", "install_optimizer_hooks"]
+__all__ = [
+    "RowShard",
+    "row_mesh",
+    "row_entries",
+    "describe_rows",
+    "local_rows",
+    "install_optimizer_hooks",
+]
 
-MESH_AXIS = "fsdp"
-_CKPT_WRAPPED = "_checkpoint_wrapped_module"
 _MESHES: dict[int, Mesh] = {}
 _WARNED_GROUP = False
 
