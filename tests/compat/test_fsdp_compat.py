@@ -53,14 +53,14 @@ def _ours(model, **kw):
     return FSDP(model, auto_wrap_policy=policy, **kw)
 
 
-def _fsdp2(model):
+def _fsdp2(model, **kw):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
 
 
@@ -120,6 +120,27 @@ def _vs_fsdp2_body():
             sorted(torch_get_optim(ref, ref_opt)["state"]),
         ),
     }
+    # ZeRO-2 and bf16 compute with fp32 reduction, against FSDP2's equivalents
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    variants = {
+        "zero2": ({"reshard_after_forward": False}, {"reshard_after_forward": False}),
+        "bf16": (
+            {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True},
+            {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32)},
+        ),
+    }
+    out["variants"] = {}
+    for name, (ours_kw, ref_kw) in variants.items():
+        torch.manual_seed(0)
+        a = _ours(Net(), **ours_kw)
+        torch.manual_seed(0)
+        b = _fsdp2(Net(), **ref_kw)
+        _train(a), _train(b)
+        out["variants"][name] = (
+            {k.replace("module.", ""): _np(v.full_tensor()) for k, v in a.state_dict().items()},
+            {k: _np(v.full_tensor()) for k, v in b.state_dict().items()},
+        )
     # optim.state_dict() values: global shapes and the same moments as FSDP2's DTensors
     osd, ref_osd = ours_opt.state_dict(), ref_opt.state_dict()
     out["moments"] = [
@@ -146,6 +167,18 @@ def test_training_matches_fsdp2(vs_fsdp2):
             rfull, rshape, _rlocal, rdtype = res["ref_values"][k]
             np.testing.assert_allclose(full, rfull, atol=2e-6, rtol=0, err_msg=k)
             assert (shape, dtype) == (rshape, rdtype), k
+
+
+@pytest.mark.parametrize("variant, tol", [("zero2", 2e-6), ("bf16", 2e-3)])
+def test_zero2_and_mixed_precision_match_fsdp2(vs_fsdp2, variant, tol):
+    for res in vs_fsdp2:
+        ours, ref = res["variants"][variant]
+        assert sorted(ours) == sorted(ref)
+        for k in ref:
+            np.testing.assert_allclose(ours[k], ref[k], atol=tol, rtol=0, err_msg=k)
+        if variant == "bf16":  # really computed in bf16: off the fp32 run, as FSDP2 is
+            fp32 = {k: v[0] for k, v in res["values"].items()}
+            assert max(np.abs(ours[k] - fp32[k]).max() for k in fp32) > 1e-5
 
 
 def test_state_dict_shards_have_fsdp2_global_and_local_shapes(vs_fsdp2):
