@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dis
+import functools
 import sys
 import warnings
 from collections.abc import Sequence
@@ -337,14 +338,19 @@ def _result_discarded() -> tuple[str, int] | None:
     """
     try:
         frame = sys._getframe(3)
-        for ins in dis.get_instructions(frame.f_code):
-            if ins.offset > frame.f_lasti:
-                if ins.opname == "POP_TOP":
-                    return frame.f_code.co_filename, frame.f_lineno
-                return None
+        if _pops_result(frame.f_code, frame.f_lasti):
+            return frame.f_code.co_filename, frame.f_lineno
     except (ValueError, AttributeError):  # no such frame, or an unusual interpreter
         return None
     return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _pops_result(code, lasti: int) -> bool:
+    for ins in dis.get_instructions(code):
+        if ins.offset > lasti:
+            return ins.opname == "POP_TOP"
+    return False
 
 
 def _warn_if_discarded(t: torch.Tensor) -> None:
