@@ -59,9 +59,9 @@ def _body(total_mib: int, repeats: int, root: str) -> dict:
     flat = _flatten.flatten(state, for_save=True)
     for r in range(repeats + 1):  # the first round warms up
         got = {
-            "check": timed(lambda: sk(True, f"{root}/a{r}")),
-            "no_check": timed(lambda: sk(False, f"{root}/b{r}")),
-            "torch": timed(lambda: tdcp.save(state, checkpoint_id=f"{root}/t{r}")),
+            "check": timed(lambda r=r: sk(True, f"{root}/a{r}")),
+            "no_check": timed(lambda r=r: sk(False, f"{root}/b{r}")),
+            "torch": timed(lambda r=r: tdcp.save(state, checkpoint_id=f"{root}/t{r}")),
             "hash": timed(lambda: real(flat)),
         }
         if dist.get_rank() == 0:

@@ -132,3 +132,30 @@ def test_interrupted_s3_upload_is_aborted_not_completed():
         assert not fs.exists("ckpt/run/data-x.safetensors")  # no truncated object published
         uploads = fs.call_s3("list_multipart_uploads", Bucket="ckpt").get("Uploads", [])
         assert uploads == [], uploads
+
+
+def test_writer_start_aborts_uploads_a_killed_writer_left_open():
+    with LoopbackS3() as s3:
+        s3.make_bucket("ckpt")
+        opts = {**s3.storage_options, "default_block_size": 5 << 20}
+        fs = s3.filesystem()
+
+        def orphan(key):  # a part is uploaded, then the writer "dies" (never closes)
+            f = fs.open(key, "wb", block_size=5 << 20)
+            f.write(bytes(6 << 20))
+            f.closed = True  # nobody will ever complete or abort it
+            return key
+
+        def uploads():
+            found = fs.call_s3("list_multipart_uploads", Bucket="ckpt").get("Uploads", [])
+            return sorted(u["Key"] for u in found)
+
+        stale = orphan("ckpt/run/step_00000003/data-x.safetensors")
+        other = orphan("ckpt/run/notes/big.bin")  # not a step: left alone
+        keys = sorted(k.split("/", 1)[1] for k in (stale, other))
+        assert uploads() == keys
+        mgr = _mgr("s3://ckpt/run", storage_options=opts)
+        assert uploads() == keys  # a reader aborts nothing
+        mgr.save(4, {"w": torch.ones(2)})
+        assert uploads() == ["run/notes/big.bin"]
+        mgr.close()

@@ -152,6 +152,9 @@ class CheckpointManager:
             self._lease.acquire(take_over=self._take_over)
             try:
                 removed = self._store.remove_incomplete()
+                aborted = self._store.abort_stale_uploads()
+                if aborted:
+                    log.warning("aborted %d unfinished uploads under %s", aborted, self.path)
                 return removed, self._store.committed_steps()
             except BaseException:
                 self._lease.release()

@@ -116,6 +116,29 @@ class StepStore:
                 self._warn_once(step, "its checkpoint is damaged (files missing or cut short)")
         return steps
 
+    def abort_stale_uploads(self) -> int:
+        """Abort unfinished S3 multipart uploads into step directories; returns how many.
+
+        Only the lease holder calls this, before it writes, so every such upload was
+        left by a writer that died mid-save. Other stores have none.
+        """
+        lister = getattr(self.fs, "list_multipart_uploads", None)
+        if lister is None or not hasattr(self.fs, "call_s3"):
+            return 0
+        bucket, _, prefix = self.root.partition("/")
+        mine = f"{prefix}/step_" if prefix else "step_"
+        aborted = 0
+        for upload in lister(bucket):
+            key = upload.get("Key", "")
+            rest = key[len(mine) - len("step_") :] if key.startswith(mine) else ""
+            name = rest.split("/", 1)[0]
+            if _STEP_DIR.match(name) and "UploadId" in upload:
+                self.fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"]
+                )
+                aborted += 1
+        return aborted
+
     def _committed_quietly(self, step: int) -> bool:
         if self.local and not self._marker_is_plain_file(step):
             return False
