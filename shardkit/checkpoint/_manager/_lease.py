@@ -78,6 +78,7 @@ class Lease:
         self.path = f"{root}/{LEASE_FILE}"
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.held = False
+        self._pid = os.getpid()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost: LeaseLostError | None = None
@@ -204,8 +205,8 @@ class Lease:
     def release(self) -> None:
         """Stop the heartbeat and remove our lease if it is still ours."""
         self.stop_heartbeat()
-        if not self.held:
-            return
+        if not self.held or os.getpid() != self._pid:
+            return  # a forked child (a data loader worker) never releases its parent's
         self.held = False
         try:
             current = self.read()
