@@ -272,7 +272,9 @@ class CheckpointManager:
     def save(self, step: int, state_dict: dict, force: bool = False, *, metrics=None) -> bool:
         """Save ``state_dict`` as ``step`` if due (interval, ``force`` or preemption).
 
-        Blocks until the checkpoint is committed. Returns whether it saved.
+        Blocks until the checkpoint is committed. Returns whether it saved. The first
+        save takes the writer's lease on ``path`` (a second writer is refused with
+        :class:`CheckpointError`); every rank must pass the same ``step`` and ``force``.
         """
         return self._save(step, state_dict, force, metrics, blocking=True)
 
