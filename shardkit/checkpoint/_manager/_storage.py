@@ -110,10 +110,13 @@ class StepStore:
             except Exception as exc:
                 self._warn_once(step, f"its checkpoint cannot be checked: {exc}")
                 continue
+            if not ok and self.has_marker(step):
+                # committed between the two checks (a writer's commit), or damaged
+                ok = self._committed_quietly(step)
+                if not ok and self.has_marker(step):
+                    self._warn_once(step, "its checkpoint is damaged (files missing or cut short)")
             if ok:
                 steps.append(step)
-            elif self.has_marker(step):
-                self._warn_once(step, "its checkpoint is damaged (files missing or cut short)")
         return steps
 
     def abort_stale_uploads(self) -> int:
