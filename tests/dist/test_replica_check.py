@@ -23,6 +23,14 @@ def _copy(rank: int) -> torch.Tensor:
     return t
 
 
+def _strided(rank: int) -> torch.Tensor:
+    """A non-contiguous replica (hashed from a host copy), differing in one element."""
+    t = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64)
+    if rank == 1:
+        t[0, 0] = -1
+    return t.t()
+
+
 def _body(tmp):
     import warnings
 
@@ -36,11 +44,13 @@ def _body(tmp):
     same = torch.ones(8, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dcp.save({"w": _copy(rank), "same": same}, checkpoint_id=f"{tmp}/warn")
+        state = {"w": _copy(rank), "same": same, "t": _strided(rank)}
+        dcp.save(state, checkpoint_id=f"{tmp}/warn")
     mine = [w for w in caught if issubclass(w.category, ReplicaMismatchWarning)]
     out["warned"] = [str(w.message) for w in mine]
-    got = {"w": torch.zeros(ROWS, 1024), "same": torch.zeros(8, 4)}
+    got = {"w": torch.zeros(ROWS, 1024), "same": torch.zeros(8, 4), "t": torch.zeros(64, 32)}
     dcp.load(got, checkpoint_id=f"{tmp}/warn")
+    out["t_is_rank0_copy"] = torch.equal(got["t"], _strided(0))
     out["is_rank0_copy"] = torch.equal(got["w"], _copy(0))
     out["same_ok"] = torch.equal(got["same"], same)
     # equal copies: no warning
@@ -59,9 +69,9 @@ def _body(tmp):
         except (CheckpointError, ReplicaMismatchWarning) as exc:
             out["strict"] = f"{type(exc).__name__}: {exc}"
     dist.barrier()
-    out["strict_files"] = sorted(os.listdir(f"{tmp}/strict")) if os.path.isdir(
-        f"{tmp}/strict"
-    ) else []
+    out["strict_files"] = (
+        sorted(os.listdir(f"{tmp}/strict")) if os.path.isdir(f"{tmp}/strict") else []
+    )
     # the same through the manager (the flow of issue 14's FSDP state dicts)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -76,7 +86,10 @@ def _body(tmp):
 def test_differing_replica_saves_one_copy_whole_and_warns(tmp_path):
     for r in run_ranks(_body, 2, str(tmp_path)):
         assert len(r["warned"]) == 1, r["warned"]
+        assert "2 replicated (plain) tensor(s) differ" in r["warned"][0], r["warned"]
         assert "'w': ranks [0] vs ranks [1]" in r["warned"][0], r["warned"]
+        assert "'t': ranks [0] vs ranks [1]" in r["warned"][0], r["warned"]
+        assert r["t_is_rank0_copy"]
         assert "rank(s) [0] whole" in r["warned"][0]
         assert r["is_rank0_copy"] and r["same_ok"]
         assert r["equal_warned"] == []

@@ -129,28 +129,35 @@ def replica_digests(flat: Flat) -> dict[str, str]:
 
     Spans of 32 MiB are hashed on up to 8 threads (xxhash releases the GIL; at most
     this rank's share of the host's cores), so on a many-core host the check takes a
-    fraction of the time one thread would.
+    fraction of the time one thread would. Tensors already in contiguous CPU memory are
+    hashed in place; any other (a GPU tensor, a strided view) is copied to the host one
+    at a time, so the check never holds more than one extra tensor.
     """
-    views: dict[str, memoryview] = {}
+    in_place: dict[str, memoryview] = {}
+    copied: list[tuple[str, torch.Tensor]] = []
     for key, leaf in flat.tensors.items():
         if tuple(leaf.box.sizes) == tuple(leaf.shape) and not any(leaf.box.offsets):
-            t = leaf.local.detach().to("cpu").contiguous()
-            views[key] = bytes_view(t) if t.numel() else memoryview(b"")
-    spans = [
-        (key, start) for key, view in views.items() for start in range(0, len(view), _HASH_SPAN)
-    ]
+            t = leaf.local.detach()
+            if t.device.type == "cpu" and t.is_contiguous():
+                in_place[key] = bytes_view(t) if t.numel() else memoryview(b"")
+            else:
+                copied.append((key, t))
+    if not in_place and not copied:
+        return {}
     cores = (os.cpu_count() or 1) // max(1, _env_int("LOCAL_WORLD_SIZE", 1))
-    workers = max(1, min(8, cores, len(spans)))
+    with ThreadPoolExecutor(max(1, min(8, cores)), "shardkit-replica-hash") as pool:
+        out = _hash_views(in_place, pool)
+        for key, t in copied:
+            t = t.to("cpu").contiguous()
+            out.update(_hash_views({key: bytes_view(t) if t.numel() else memoryview(b"")}, pool))
+    return out
 
-    def digest(span: tuple[str, int]) -> str:
-        key, start = span
-        return xxhash.xxh3_64_hexdigest(views[key][start : start + _HASH_SPAN])
 
-    if workers > 1:
-        with ThreadPoolExecutor(workers, thread_name_prefix="shardkit-replica-hash") as pool:
-            sums = list(pool.map(digest, spans))
-    else:
-        sums = [digest(span) for span in spans]
+def _hash_views(views: dict[str, memoryview], pool: ThreadPoolExecutor) -> dict[str, str]:
+    spans = [
+        (k, v[i : i + _HASH_SPAN]) for k, v in views.items() for i in range(0, len(v), _HASH_SPAN)
+    ]
+    sums = pool.map(lambda span: xxhash.xxh3_64_hexdigest(span[1]), spans)
     out = {key: "" for key in views}
     for (key, _), value in zip(spans, sums):
         out[key] += value
