@@ -391,6 +391,7 @@ class CheckpointManager:
             log.warning("retention pass under %s failed: %s", self.path, exc)
 
     def _retain_pass(self) -> None:
+        self._lease.renew()  # a writer that lost its lease deletes nothing
         committed = self._store.committed_steps()
         with self._lock:
             known = {s: self._metrics[s] for s in committed if s in self._metrics}
