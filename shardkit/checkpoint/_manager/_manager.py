@@ -227,7 +227,9 @@ class CheckpointManager:
             try:
                 result = {"ok": fn()}
             except Exception as exc:
-                result, cause = {"error": f"{type(exc).__name__}: {exc}"}, exc
+                what_failed = str(exc) if isinstance(exc, CheckpointError) else None
+                what_failed = what_failed or f"{type(exc).__name__}: {exc}"
+                result, cause = {"error": what_failed}, exc
         result = broadcast_json(result, self._ctrl, len(self._ranks))
         if "error" in result:
             raise CheckpointError(f"{what} under {self.path} failed: {result['error']}") from cause
