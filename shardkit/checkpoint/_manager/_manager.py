@@ -376,7 +376,7 @@ class CheckpointManager:
             self._metrics[step] = metrics
             try:
                 self._retention_futures.append(self._retention.submit(self._retain))
-            except RuntimeError:  # interpreter exiting: the next start's pass will do it
+            except RuntimeError:  # interpreter exiting: the next writer's pass will do it
                 log.debug("retention pass after step %d skipped: shutting down", step)
 
     def _retain(self) -> None:

@@ -207,7 +207,7 @@ class StepStore:
         """Delete a committed step, un-committing it first.
 
         The metadata file goes first, so a crash half-way leaves an incomplete directory
-        (never listed, removed at the next start) rather than a listed, broken checkpoint.
+        (never listed, removed by the next writer) rather than a listed, broken checkpoint.
         """
         path = self._step_path(step)
         marker = f"{path}/{METADATA_FILE}"
