@@ -159,3 +159,33 @@ def test_writer_start_aborts_uploads_a_killed_writer_left_open():
         mgr.save(4, {"w": torch.ones(2)})
         assert uploads() == ["run/notes/big.bin"]
         mgr.close()
+
+
+def test_heartbeat_renews_the_lease_between_saves(tmp_path):
+    run = str(tmp_path / "run")
+    with _mgr(run, lease_ttl=1.5) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+        first = _lease(run)["expires"]
+        deadline = time.monotonic() + 20  # renewed every 0.5 s; generous for a busy host
+        while _lease(run)["expires"] == first and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a file for a change, not ordering threads
+        assert _lease(run)["expires"] > first, "the heartbeat never renewed the lease"
+        assert _lease(run)["owner"] == mgr._lease.owner
+
+
+def test_a_writer_that_lost_its_lease_deletes_nothing(tmp_path, caplog):
+    run = str(tmp_path / "run")
+    old = _mgr(run, max_to_keep=1)
+    old.save(1, {"w": torch.ones(2)})
+    old.save(2, {"w": torch.ones(2)})
+    old.join()
+    new = _mgr(run, take_over_lease=True)  # keeps every step
+    new.save(3, {"w": torch.ones(2)})
+    with caplog.at_level("WARNING"):
+        old._retain()  # a retention pass of the old writer, after the take-over
+    assert "lost its lease" in caplog.text
+    assert new.all_steps() == [2, 3]  # old's max_to_keep=1 would have deleted step 2
+    with pytest.raises(CheckpointError, match="lost its lease"):
+        old.save(4, {"w": torch.ones(2)})
+    new.close()
+    old.close()
