@@ -3,9 +3,9 @@
 The lease is the file ``<path>/manager.lease``: JSON naming the owner (host, pid and a
 random id per manager) and when the lease expires. Only the coordinator of the writing
 manager holds it. It is written atomically (a temporary file moved into place on local
-disks, one PUT on object stores) and renewed at every save and by a background
-heartbeat, so it stays live while the writer runs and expires ``ttl`` seconds after the
-writer stops. Works on any fsspec filesystem: no locks, no rename on object stores.
+disks, one PUT on object stores), checked before every save (the fencing: a writer
+that lost it stops) and renewed by a background heartbeat, so it stays live while the
+writer runs and expires ``ttl`` seconds after the writer stops. Works on any fsspec filesystem: no locks, no rename on object stores.
 
 A lease is live until it expires, except that a lease whose owner ran on this host
 under a pid that no longer exists is dead at once (a crashed trainer restarted on the
@@ -183,12 +183,16 @@ class Lease:
             )
         self.held = True
 
-    def renew(self) -> None:
-        """Extend our lease; :class:`LeaseLostError` when another writer now holds it."""
-        with self._renew_lock:
-            self._renew()
+    def renew(self, *, force: bool = True) -> None:
+        """Check that the lease is still ours (:class:`LeaseLostError` if not) and extend it.
 
-    def _renew(self) -> None:
+        Without ``force`` the lease is only rewritten when less than half its ttl is
+        left (the heartbeat keeps it fresher), so a save costs one read of it.
+        """
+        with self._renew_lock:
+            self._renew(force)
+
+    def _renew(self, force: bool) -> None:
         if self.lost is not None:
             raise self.lost
         current = self.read()
@@ -200,7 +204,9 @@ class Lease:
                 + "; another writer took over the directory, so this one stops saving"
             )
             raise self.lost
-        self._write(exclusive=False)
+        expires = current.get("expires")
+        if force or not isinstance(expires, (int, float)) or expires - time.time() < self.ttl / 2:
+            self._write(exclusive=False)
 
     def release(self) -> None:
         """Stop the heartbeat and remove our lease if it is still ours."""

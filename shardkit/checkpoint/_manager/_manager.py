@@ -171,7 +171,7 @@ class CheckpointManager:
 
     def _prepare_step(self, step: int, metrics) -> None:
         """Coordinator: renew the lease (fencing), make the step directory safe, metrics."""
-        self._lease.renew()
+        self._lease.renew(force=False)
         self._store.prepare_step_dir(step)
         try:
             self._store.write_metrics(step, metrics)
@@ -393,7 +393,7 @@ class CheckpointManager:
             log.warning("retention pass under %s failed: %s", self.path, exc)
 
     def _retain_pass(self) -> None:
-        self._lease.renew()  # a writer that lost its lease deletes nothing
+        self._lease.renew(force=False)  # a writer that lost its lease deletes nothing
         committed = self._store.committed_steps()
         with self._lock:
             known = {s: self._metrics[s] for s in committed if s in self._metrics}
