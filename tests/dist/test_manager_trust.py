@@ -228,9 +228,7 @@ def _enospc(tmp, real_disk):
     real_write = _storage._write_local
 
     def du() -> int:
-        return sum(
-            os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp) for f in fs
-        )
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp) for f in fs)
 
     def quota_write(p, parts, *, exclusive, sync):
         def limited():
@@ -276,6 +274,26 @@ def _enospc(tmp, real_disk):
         out["steps"] = mgr.all_steps()
         got = mgr.restore(3, {"w": torch.zeros(512, 256)})
         out["restored_3"] = torch.equal(got["w"], state["w"] + 3)
+        # the same with a background save: the failure surfaces at join()
+        dist.barrier()
+        quota["bytes"] = du() + (256 << 10)
+        if real_disk and rank == 0:
+            with open(ballast, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * (64 << 10))
+                        f.flush()
+                except OSError:
+                    pass
+        dist.barrier()
+        mgr.save_async(4, {"w": state["w"] + 4})
+        try:
+            mgr.join()
+            out["async_full"] = None
+        except CheckpointError as exc:
+            out["async_full"] = str(exc)
+        dist.barrier()  # the coordinator has removed the failed step by its join()
+        out["async_left_behind"] = sorted(os.listdir(path))
         mgr.close()
     finally:
         _storage._write_local = real_write
@@ -287,6 +305,8 @@ def _check_enospc(res):
         assert r["full"] and "No space left" in r["full"], r["full"]
         assert r["left_behind"] == ["manager.lease", "step_00000001"], r["left_behind"]
         assert r["saved_3"] and r["steps"] == [1, 3] and r["restored_3"]
+        assert r["async_full"] and "background save of step 4" in r["async_full"]
+        assert r["async_left_behind"] == ["manager.lease", "step_00000001", "step_00000003"]
 
 
 def test_enospc_leaves_nothing_and_the_next_save_succeeds(tmp_path):
