@@ -294,6 +294,7 @@ def _enospc(tmp, real_disk):
             out["async_full"] = str(exc)
         dist.barrier()  # the coordinator has removed the failed step by its join()
         out["async_left_behind"] = sorted(os.listdir(path))
+        dist.barrier()  # both ranks listed before close() releases the lease
         mgr.close()
     finally:
         _storage._write_local = real_write
