@@ -6,7 +6,7 @@ is ever unpickled unless the caller opts in. See docs/checkpoint.md.
 """
 
 from ._core._async import async_save
-from ._core._errors import CheckpointError, CorruptCheckpointError
+from ._core._errors import CheckpointError, CorruptCheckpointError, ReplicaMismatchWarning
 from ._core._flatten import Stateful
 from ._core._format import ChunkMeta, Metadata, ObjectMeta, TensorMeta
 from ._core._load import is_committed, load, read_metadata
@@ -54,6 +54,7 @@ __all__ = [
     "Metadata",
     "ObjectMeta",
     "ReadItem",
+    "ReplicaMismatchWarning",
     "SPMDLoadPlanner",
     "SPMDSavePlanner",
     "SavePlan",
