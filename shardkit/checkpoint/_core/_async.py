@@ -28,8 +28,8 @@ from ._save import (
     write_and_commit,
 )
 from ._storage import StorageWriter
-from ._torch_args import check_async_args
 from ._stream_copy import stream_copy
+from ._torch_args import check_async_args
 
 __all__ = ["async_save"]
 

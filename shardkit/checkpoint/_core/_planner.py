@@ -331,14 +331,14 @@ class DefaultLoadPlanner(LoadPlanner):
             unexpected = sorted(set(md.keys()) - wanted)
             if missing or unexpected:
                 raise StateDictMismatchError(
-                    f"{_on_rank()}state dict and checkpoint keys differ: missing from the "
+                    f"{on_rank()}state dict and checkpoint keys differ: missing from the "
                     f"checkpoint {missing}, unexpected in the checkpoint {unexpected} (strict "
                     "load); drop strict to ignore the checkpoint's extra keys"
                 )
             return
         if missing and not self.allow_partial_load:
             raise StateDictMismatchError(
-                f"{_on_rank()}Missing key in checkpoint state_dict: {missing}; load a "
+                f"{on_rank()}Missing key in checkpoint state_dict: {missing}; load a "
                 "checkpoint that has them, remove them from the state dict, or pass "
                 "planner=DefaultLoadPlanner(allow_partial_load=True) to leave them as they are"
             )
@@ -363,7 +363,7 @@ class DefaultLoadPlanner(LoadPlanner):
                 )
             if tuple(saved.shape) != tuple(leaf.shape):
                 raise StateDictMismatchError(
-                    f"{_on_rank()}key {key!r}: shape mismatch, checkpoint has "
+                    f"{on_rank()}key {key!r}: shape mismatch, checkpoint has "
                     f"{list(saved.shape)} but the state dict has {list(leaf.shape)}"
                 )
             for chunk in saved.chunks:
@@ -387,7 +387,7 @@ def warn_once(message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def _on_rank() -> str:
+def on_rank() -> str:
     """``"rank R: "`` in a multi-rank run, else nothing."""
     import torch.distributed as dist
 

@@ -18,7 +18,6 @@ import xxhash
 
 from ...spmd.layout import Box
 from ._comm import Comm
-from ._torch_args import check_no_dist
 from ._errors import CheckpointError
 from ._flatten import Flat, flatten
 from ._format import (
@@ -37,6 +36,7 @@ from ._format import (
 )
 from ._planner import DefaultSavePlanner, SavePlan, SavePlanner, WriteItem
 from ._storage import FileSystemWriter, StorageWriter
+from ._torch_args import check_no_dist
 
 __all__ = ["save"]
 
