@@ -454,3 +454,16 @@ def _reshard_cast(path):
 def test_resharded_cast_load_matches_torch_on_two_ranks(tmp_path):
     results = run_ranks(_reshard_cast, 2, str(tmp_path), timeout=90)
     assert results == [[True] * 5] * 2
+
+
+def test_checkpoint_manager_num_of_threads_is_honoured(tmp_path):
+    mgr = dcp.CheckpointManager(tmp_path, 1, num_of_threads=3)
+    state = {"a": torch.ones(4), "b": torch.zeros(3), "c": torch.full((2,), 2.0)}
+    mgr.save(1, state)
+    files = [p for p in (tmp_path).rglob("data-*.safetensors")]
+    assert len(files) == 3  # one per thread
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    mgr.restore(1, out)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    with pytest.raises(ValueError, match="num_of_threads"):
+        dcp.CheckpointManager(tmp_path / "x", 1, num_of_threads=0)

@@ -56,6 +56,7 @@ class CheckpointManager:
             (must be the same ranks as ``process_group``); the commit itself always runs
             on the checkpoint core's private gloo group for those ranks, never on the
             training group.
+        num_of_threads: torch_xla's option: data files each rank writes in parallel.
     """
 
     def __init__(
@@ -71,12 +72,15 @@ class CheckpointManager:
         preservation_policy: PreservationPolicy | None = None,
         storage_options: dict[str, Any] | None = None,
         async_process_group: dist.ProcessGroup | None = None,
+        num_of_threads: int = 1,
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"path must be a non-empty str or os.PathLike URL, got {path!r}")
         self.save_interval = _nonneg_int("save_interval", save_interval, minimum=1)
         self.max_to_keep = _nonneg_int("max_to_keep", max_to_keep)
         self.max_pending_async = _nonneg_int("max_pending_async", max_pending_async, minimum=1)
+        #: torch_xla's option: files each rank writes in parallel per checkpoint
+        self.num_of_threads = _nonneg_int("num_of_threads", num_of_threads, minimum=1)
         if not isinstance(chkpt_on_preemption, bool):
             raise TypeError(f"chkpt_on_preemption must be a bool, got {chkpt_on_preemption!r}")
         if preservation_policy is not None and not isinstance(
