@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .._core._planner import warn_once
+
 __all__ = ["StateDictOptions"]
 
 
@@ -53,6 +55,11 @@ class StateDictOptions:
                 if not isinstance(value, str):
                     raise TypeError(
                         f"StateDictOptions.dsd_fqn_modifiers must be a str, got {value!r}"
+                    )
+                if value != "_fqn_modifiers":
+                    warn_once(
+                        f"StateDictOptions(dsd_fqn_modifiers={value!r}) has no effect: shardkit "
+                        "finds wrapper prefixes itself (docs/state-dict.md)"
                     )
                 continue
             if not isinstance(value, bool):
