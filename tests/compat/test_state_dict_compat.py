@@ -349,3 +349,36 @@ def _mismatch_body():
 
 def test_sharded_shape_mismatch_raises_torch_class_naming_rank():
     assert run_ranks(_mismatch_body, 2, timeout=60) == [True, True]
+
+
+def _ac(seed):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    model = _net(seed)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
+    return model
+
+
+def test_activation_checkpointing_under_shardkit_fsdp_gives_torch_keys():
+    import shardkit.fsdp as fsdp
+
+    oracle = tsd.get_model_state_dict(_ac(0))  # torch's keys: no wrapper components
+    model = fsdp.FullyShardedDataParallel(_ac(0))
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    optim.step()
+    full = ssd.StateDictOptions(full_state_dict=True)
+    msd = ssd.get_model_state_dict(model, options=full)
+    osd = ssd.get_optimizer_state_dict(model, optim, options=full)
+    assert list(msd) == list(oracle)
+    assert sorted(osd["state"]) == sorted(k for k in oracle if "weight" in k or "bias" in k)
+    plain = _net(5)  # loads into a plain model, and back into a wrapped one
+    plain_optim = torch.optim.Adam(plain.parameters())
+    ssd.set_state_dict(plain, plain_optim, model_state_dict=msd, optim_state_dict=osd)
+    _equal(dict(plain.state_dict()), msd)
+    again = fsdp.FullyShardedDataParallel(_ac(7))
+    again_optim = torch.optim.Adam(again.parameters())
+    ssd.set_state_dict(again, again_optim, model_state_dict=msd, optim_state_dict=osd)
+    _equal(ssd.get_model_state_dict(again, options=full), msd)

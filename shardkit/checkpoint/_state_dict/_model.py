@@ -16,6 +16,7 @@ from ._fqn import (
     param_fqns,
     root_sharded_module,
     sharded_modules,
+    strip_wrappers,
     under,
     unwrap,
 )
@@ -56,7 +57,9 @@ def _live_entries(model: nn.Module) -> tuple[dict[str, tuple[str | None, Any]], 
     """
     top = root_sharded_module(model)
     if top is not None:
-        entries = {k: (None, v) for k, v in top._shardkit_sharded_state_dict().items()}
+        entries = {
+            strip_wrappers(k): (None, v) for k, v in top._shardkit_sharded_state_dict().items()
+        }
         return entries, {"": top}
     root = unwrap(model)
     nested = sharded_modules(root)
@@ -67,7 +70,7 @@ def _live_entries(model: nn.Module) -> tuple[dict[str, tuple[str | None, Any]], 
             entries[key] = (raw, value)
     for prefix, module in nested.items():
         for k, v in module._shardkit_sharded_state_dict().items():
-            entries[f"{prefix}.{k}"] = (None, v)
+            entries[f"{prefix}.{strip_wrappers(k)}"] = (None, v)
     return entries, nested
 
 
@@ -200,8 +203,9 @@ def set_model_state_dict(
         _load_plain(root, assign, assign=True)
     for prefix, module in sharded.items():
         cut = len(prefix) + 1 if prefix else 0
+        raw_keys = {strip_wrappers(k): k for k in module._shardkit_sharded_state_dict()}
         module._shardkit_load_sharded_state_dict(
-            {k[cut:]: v for k, v in per_module[prefix].items()}
+            {raw_keys.get(k[cut:], k[cut:]): v for k, v in per_module[prefix].items()}
         )
     return IncompatibleKeys(missing, unexpected)
 

@@ -12,7 +12,7 @@ from torch import nn
 from ...spmd import ShardedTensor
 from .._core._errors import StateDictMismatchError
 from ._broadcast import broadcast_items, world_of_many
-from ._fqn import param_fqns, under
+from ._fqn import param_fqns, strip_wrappers, under
 from ._model import submodule_prefixes
 from ._options import StateDictOptions, resolve_options
 from ._values import export_value, import_value, is_sharded
@@ -87,7 +87,9 @@ def _layouts(
     out: dict[int, ShardedTensor] = {}
     for pid, (module, prefix) in owners.items():
         if id(module) not in cache:
-            cache[id(module)] = module._shardkit_sharded_state_dict()
+            cache[id(module)] = {
+                strip_wrappers(k): v for k, v in module._shardkit_sharded_state_dict().items()
+            }
         name = fqns[pid][len(prefix) + 1 :] if prefix else fqns[pid]
         value = cache[id(module)].get(name)
         if isinstance(value, ShardedTensor):
