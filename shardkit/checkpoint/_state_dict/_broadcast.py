@@ -139,14 +139,16 @@ def broadcast_items(
 
 
 def broadcast_from_rank0(
-    state_dict: Mapping[str, Any], entries: dict[str, tuple[str | None, Any]]
+    state_dict: Mapping[str, Any],
+    entries: dict[str, tuple[str | None, Any]],
+    root: torch.nn.Module,
 ) -> tuple[dict[str, Any], set[str]]:
     """A model state dict read on rank 0 only, as every rank's local values.
 
-    Returns the values still to load and the keys already copied into place (plain and
-    DTensor targets that are not on the meta device are filled at once, so no second copy
-    of them is held). A key the model lacks keeps a meta-device placeholder, so it is
-    still reported as unexpected.
+    Returns the values still to load and the keys already loaded: plain and DTensor
+    targets are filled as each tensor arrives (copied into, or assigned where they are on
+    the meta device), so no second copy of them is held. A key the model lacks keeps a
+    meta-device placeholder, so it is still reported as unexpected.
     """
     if not world_of_many():
         return dict(state_dict), set()
@@ -158,9 +160,12 @@ def broadcast_from_rank0(
         raw, target = entries[key]
         check_compatible(key, full, target, what="set_model_state_dict")
         value = import_value(full, target)
-        if raw is not None and isinstance(target, torch.Tensor) and not target.is_meta:
-            with torch.no_grad():
-                target.copy_(value)
+        if raw is not None and isinstance(target, torch.Tensor):
+            if target.is_meta:
+                root.load_state_dict({raw: compact(value)}, strict=False, assign=True)
+            else:
+                with torch.no_grad():
+                    target.copy_(value)
             done.add(key)
             return None
         return value

@@ -166,7 +166,7 @@ def set_model_state_dict(
     entries, sharded = _live_entries(model)
     done: set[str] = set()
     if opts.broadcast_from_rank0:
-        model_state_dict, done = broadcast_from_rank0(model_state_dict, entries)
+        model_state_dict, done = broadcast_from_rank0(model_state_dict, entries, unwrap(model))
         model_state_dict = {**model_state_dict, **{k: entries[k][1] for k in done}}
     if not model_state_dict:
         return IncompatibleKeys([], [])
