@@ -467,3 +467,23 @@ def test_checkpoint_manager_num_of_threads_is_honoured(tmp_path):
     assert all(torch.equal(out[k], state[k]) for k in state)
     with pytest.raises(ValueError, match="num_of_threads"):
         dcp.CheckpointManager(tmp_path / "x", 1, num_of_threads=0)
+
+
+def test_async_save_takes_torch_arguments(tmp_path):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    sd = _sd()
+    fut = dcp.async_save(
+        sd,
+        checkpoint_id=tmp_path,
+        async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        no_dist=True,
+    )
+    fut.result()
+    out = _fresh()
+    dcp.load(out, checkpoint_id=tmp_path)
+    _equal(out, sd)
+    with pytest.warns(UserWarning, match="async_checkpointer_type"):
+        dcp.async_save(
+            sd, checkpoint_id=tmp_path / "p", async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        ).result()
