@@ -156,6 +156,20 @@ def test_cast_through_the_band_reader_and_reshard(tmp_path):
     assert torch.equal(out["w"], full)
 
 
+def test_cast_in_row_bands_bounds_the_scratch(tmp_path, monkeypatch):
+    import shardkit.checkpoint._core._load as load_mod
+
+    monkeypatch.setattr(load_mod, "_CAST_PIECE_BYTES", 3 * 24 * 8)  # 3 saved rows a band
+    full = torch.randn(32, 24, dtype=torch.float64)
+    tdcp.save({"w": full}, checkpoint_id=tmp_path / "t", no_dist=True)
+    dcp.save({"w": full}, checkpoint_id=tmp_path / "s", planner=ColumnPlanner([5, 7]))
+    theirs = {"w": torch.zeros(32, 24, dtype=torch.bfloat16)}
+    _torch_load(theirs, tmp_path / "t")
+    ours = {"w": torch.zeros(32, 24, dtype=torch.bfloat16)}
+    dcp.load(ours, checkpoint_id=tmp_path / "s")
+    _equal(ours, theirs)
+
+
 def test_strict_opt_in_refuses_extra_checkpoint_keys(tmp_path):
     _, spath = _both_saved(tmp_path)
     with pytest.raises(dcp.StateDictMismatchError, match=r"unexpected.*optim\.lr"):

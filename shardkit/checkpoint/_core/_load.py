@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ...spmd.layout import Box
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._flatten import Flat, flatten
 from ._format import METADATA_FILE, Metadata
@@ -234,11 +236,33 @@ class _Into:
         return self.scratch
 
 
+#: Most bytes of the saved dtype held at once while casting a piece into place.
+_CAST_PIECE_BYTES = 16 << 20
+
+
+def _cast_pieces(item: ReadItem, saved: torch.dtype) -> list[ReadItem]:
+    """``item`` cut into row bands of at most about ``_CAST_PIECE_BYTES`` each."""
+    box = item.box
+    if box.ndim == 0 or box.sizes[0] == 0:
+        return [item]
+    row = math.prod(box.sizes[1:]) * saved.itemsize
+    step = max(1, _CAST_PIECE_BYTES // max(1, row))
+    if step >= box.sizes[0]:
+        return [item]
+    out = []
+    for r in range(0, box.sizes[0], step):
+        n = min(step, box.sizes[0] - r)
+        sub = Box((box.offsets[0] + r, *box.offsets[1:]), (n, *box.sizes[1:]))
+        out.append(ReadItem(item.key, sub, item.chunk))
+    return out
+
+
 def _read_cast(reader, planner, item: ReadItem, saved: torch.dtype, files: LocalFiles) -> None:
-    """Read one item into a scratch of the saved dtype, then cast it into place (as torch's
-    ``copy_``). Peak extra memory: this one item's box in the saved dtype."""
-    scratch = torch.empty(item.box.sizes, dtype=saved)
-    read_items(reader, _Into(scratch), [item], {item.key: saved}, files, None)
-    dest = planner.resolve_tensor(item)
-    with torch.no_grad():
-        dest.copy_(scratch.reshape(dest.shape))
+    """Read one item into a scratch of the saved dtype, a row band at a time, and cast each
+    band into place (as torch's ``copy_``). Peak extra memory: one band (about 16 MiB)."""
+    for piece in _cast_pieces(item, saved):
+        scratch = torch.empty(piece.box.sizes, dtype=saved)
+        read_items(reader, _Into(scratch), [piece], {piece.key: saved}, files, None)
+        dest = planner.resolve_tensor(piece)
+        with torch.no_grad():
+            dest.copy_(scratch.reshape(dest.shape))
