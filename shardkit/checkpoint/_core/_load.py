@@ -59,11 +59,16 @@ def _metadata(reader: StorageReader) -> Metadata:
 
 
 def _has_torch_metadata(reader: StorageReader) -> bool:
+    """Whether a file-system checkpoint directory holds torch DCP's ``.metadata`` (a hidden
+    name, which the reader itself refuses to open, so it is looked up directly)."""
+    if not isinstance(reader, FileSystemReader):
+        return False
     try:
-        reader.file_size(TORCH_METADATA_FILE)
+        if reader.local:
+            return os.path.isfile(os.path.join(reader.root, TORCH_METADATA_FILE))
+        return bool(reader.fs.isfile(f"{reader.root}/{TORCH_METADATA_FILE}"))
     except Exception:  # noqa: BLE001 - any failure means "not recognisably torch's"
         return False
-    return True
 
 
 def read_metadata(
