@@ -382,3 +382,31 @@ def test_activation_checkpointing_under_shardkit_fsdp_gives_torch_keys():
     again_optim = torch.optim.Adam(again.parameters())
     ssd.set_state_dict(again, again_optim, model_state_dict=msd, optim_state_dict=osd)
     _equal(ssd.get_model_state_dict(again, options=full), msd)
+
+
+def _fsdp2_meta_full_body():
+    import torch
+    import torch.distributed.checkpoint.state_dict as tsd
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardkit.checkpoint.state_dict as ssd
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = _trained(seed=4)[0].state_dict()
+    models = []
+    for mod in (tsd, ssd):
+        model = _fsdp2(1, mesh, meta=True)
+        opts = mod.StateDictOptions(full_state_dict=True, strict=False)
+        mod.set_model_state_dict(model, dict(full), options=opts)
+        models.append(model)
+    theirs, ours = (m.state_dict() for m in models)
+    ok = list(theirs) == list(ours) and not any(p.is_meta for p in models[1].parameters())
+    for k in theirs:
+        a, b = theirs[k].to_local(), ours[k].to_local()
+        ok = ok and (a.dtype, a.device) == (b.dtype, b.device) and torch.equal(a, b)
+    models[1](torch.randn(2, 3)).sum().backward()  # the materialised model trains
+    return ok and all(p.grad is not None for p in models[1].parameters())
+
+
+def test_fsdp2_meta_model_is_materialised_from_a_full_state_dict_as_torch():
+    assert run_ranks(_fsdp2_meta_full_body, 2, timeout=60) == [True, True]
