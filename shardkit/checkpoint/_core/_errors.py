@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CorruptCheckpointError", "ReplicaMismatchWarning"]
+__all__ = [
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "ReplicaMismatchWarning",
+    "StateDictMismatchError",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -25,4 +30,14 @@ class ReplicaMismatchWarning(UserWarning):
     every rank. Turn it into an error with
     ``warnings.filterwarnings("error", category=ReplicaMismatchWarning)`` on every rank:
     the save then fails on every rank before any data is written.
+    """
+
+
+class StateDictMismatchError(CheckpointError, ValueError):
+    """A state dict and a checkpoint (or a model) disagree: a key is missing or unexpected,
+    or a shape differs.
+
+    torch raises ``RuntimeError`` for these and shardkit used to raise ``ValueError``;
+    this class is both, so either ``except`` clause catches it. The message names the
+    key, both shapes, and the rank where it applies.
     """

@@ -36,6 +36,7 @@ from ._format import (
 )
 from ._planner import DefaultSavePlanner, SavePlan, SavePlanner, WriteItem
 from ._storage import FileSystemWriter, StorageWriter
+from ._torch_args import check_no_dist
 
 __all__ = ["save"]
 
@@ -462,6 +463,8 @@ def save(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     process_group: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
 ) -> Metadata:
     """Save a (sharded) state dict; every rank of ``process_group`` must call it.
 
@@ -478,6 +481,9 @@ def save(
         planner: defaults to :class:`DefaultSavePlanner`.
         process_group: the ranks saving together (default: the world; none needed
             in a single process).
+        no_dist: save as a world of one with no collectives, even in a process group
+            (as torch's; each rank then needs its own ``checkpoint_id``).
+        use_collectives: torch's; only True (or a world of one) is supported.
 
     Returns:
         The committed :class:`Metadata` (the same on every rank).
@@ -487,6 +493,6 @@ def save(
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     wait_for_inflight()
-    comm = Comm(process_group)
+    comm = Comm(process_group, local=check_no_dist(no_dist, use_collectives))
     job = prepare(state_dict, planner, comm, writer.thread_count)
     return write_and_commit(job, writer, comm, live_data(planner))

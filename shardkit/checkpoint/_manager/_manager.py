@@ -64,6 +64,7 @@ class CheckpointManager:
             at every save and every ``lease_ttl / 3`` s in the background).
         take_over_lease: take the lease even if another writer's lease is live (use
             when that writer is known to be gone; it fails at its next save).
+        num_of_threads: torch_xla's option: data files each rank writes in parallel.
     """
 
     def __init__(
@@ -82,12 +83,15 @@ class CheckpointManager:
         read_only: bool = False,
         lease_ttl: float = 60.0,
         take_over_lease: bool = False,
+        num_of_threads: int = 1,
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"path must be a non-empty str or os.PathLike URL, got {path!r}")
         self.save_interval = _nonneg_int("save_interval", save_interval, minimum=1)
         self.max_to_keep = _nonneg_int("max_to_keep", max_to_keep)
         self.max_pending_async = _nonneg_int("max_pending_async", max_pending_async, minimum=1)
+        #: torch_xla's option: files each rank writes in parallel per checkpoint
+        self.num_of_threads = _nonneg_int("num_of_threads", num_of_threads, minimum=1)
         if not isinstance(chkpt_on_preemption, bool):
             raise TypeError(f"chkpt_on_preemption must be a bool, got {chkpt_on_preemption!r}")
         if preservation_policy is not None and not isinstance(
