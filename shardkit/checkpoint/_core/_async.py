@@ -34,6 +34,7 @@ from ._save import (
 )
 from ._storage import StorageWriter
 from ._stream_copy import stream_copy
+from ._torch_args import check_async_args
 from ._zero_stall import STAGING_THREAD, STATS, Snapshot, Staging, protect
 
 __all__ = ["async_save"]
@@ -125,6 +126,10 @@ def async_save(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     process_group: Any = None,
+    async_checkpointer_type: Any = None,
+    async_stager: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
     zero_stall: bool = True,
 ) -> Future:
     """Like :func:`save`, but return at once and save in the background.
@@ -143,6 +148,10 @@ def async_save(
     previous save is still in flight waits for it first, so at most one staging copy
     exists per rank.
 
+    ``no_dist`` and ``use_collectives`` are as in :func:`save`; torch's
+    ``async_checkpointer_type`` and ``async_stager`` are accepted (shardkit stages and
+    writes on one background thread of this process; other choices warn once).
+
     Returns:
         A Future whose result is the committed :class:`Metadata`; any error (on any
         rank) comes out of ``result()``.
@@ -157,7 +166,8 @@ def async_save(
     future: Future = Future()
     future.set_running_or_notify_cancel()
     try:
-        comm = Comm(_private_group(process_group))
+        local = check_async_args(async_checkpointer_type, async_stager, no_dist, use_collectives)
+        comm = Comm(None, local=True) if local else Comm(_private_group(process_group))
     except BaseException as exc:
         future.set_exception(exc)
         return future
