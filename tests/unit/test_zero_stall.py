@@ -201,3 +201,19 @@ def test_planning_error_releases_waiting_steps(tmp_path):
     with pytest.raises(TypeError, match="'bad'"):
         fut.result(timeout=60)
     assert not dcp.is_committed(tmp_path)
+
+
+def test_load_into_the_staged_tensors_waits_for_staging(tmp_path):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1.0)
+    _step(model, opt, 0)
+    old = _snapshot(_state(model, opt))
+    dcp.save(_state(model, opt), checkpoint_id=tmp_path / "old")
+    _step(model, opt, 1)
+    expected = _snapshot(_state(model, opt))
+    fut = dcp.async_save(_state(model, opt), checkpoint_id=tmp_path / "new")
+    live = _state(model, opt)
+    dcp.load(live, checkpoint_id=tmp_path / "old")  # writes into the tensors being staged
+    fut.result(timeout=60)  # not refused: the load waited for staging
+    _assert_same(_load(tmp_path / "new", expected), expected)
+    _assert_same(_snapshot(model.state_dict()), old["model"])
