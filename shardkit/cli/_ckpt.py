@@ -202,7 +202,7 @@ def step_status(url: str):
     except CorruptCheckpointError as exc:
         return "DAMAGED", None, str(exc)
     try:
-        check_files(reader, md, set(md.files), {})
+        check_files(reader, md, md.file_names(), {})
     except CorruptCheckpointError as exc:
         return "DAMAGED", md, str(exc)
     return "committed", md, ""

@@ -21,6 +21,7 @@ from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
 from ._save import (
     SaveJob,
+    base_reader,
     prepare,
     resolve_writer,
     set_inflight,
@@ -101,12 +102,16 @@ def async_save(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     process_group: Any = None,
+    incremental_base: str | os.PathLike | None = None,
 ) -> Future:
     """Like :func:`save`, but return once this rank's share is staged in CPU memory.
 
     The caller may change its tensors as soon as this returns. The first call creates a
     private gloo group (collectively); a call made while a previous save is still in
     flight waits for it first, so at most one staging copy exists per rank.
+
+    ``incremental_base`` works as in :func:`save` (the comparison with the base runs in
+    the background, on the staged copy).
 
     Returns:
         A Future whose result is the committed :class:`Metadata`; any error (on any
@@ -116,12 +121,14 @@ def async_save(
     planner = planner if planner is not None else DefaultSavePlanner()
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
+    base = base_reader(writer, incremental_base)
     wait_for_inflight()
     future: Future = Future()
     future.set_running_or_notify_cancel()
     try:
         comm = Comm(_private_group(process_group))
         job = prepare(state_dict, planner, comm, writer.thread_count)
+        job.base = base
         staged = _stage(job)
     except BaseException as exc:
         future.set_exception(exc)

@@ -25,6 +25,7 @@ from ._checks import check_metrics as _check_metrics
 from ._checks import nonneg_int as _nonneg_int
 from ._comm import agree_flags, broadcast_json
 from ._preemption import PreemptionWatcher
+from ._refs import referenced_files
 from ._retention import AnyPreservationPolicy as _Any
 from ._retention import LatestN, PreservationPolicy, steps_to_delete
 from ._storage import StepStore
@@ -56,6 +57,11 @@ class CheckpointManager:
             (must be the same ranks as ``process_group``); the commit itself always runs
             on the checkpoint core's private gloo group for those ranks, never on the
             training group.
+        incremental: save each step as an incremental checkpoint of the previous committed
+            step: chunks whose bytes did not change (a frozen base model, LoRA) are not
+            rewritten but referenced. Retention keeps every file a kept step references.
+            Off by default: a step directory is then no longer self-contained (copy it
+            with ``shardkit ckpt materialize``). See docs/checkpoint-manager.md.
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class CheckpointManager:
         preservation_policy: PreservationPolicy | None = None,
         storage_options: dict[str, Any] | None = None,
         async_process_group: dist.ProcessGroup | None = None,
+        incremental: bool = False,
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"path must be a non-empty str or os.PathLike URL, got {path!r}")
@@ -88,6 +95,9 @@ class CheckpointManager:
             )
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, got {storage_options!r}")
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental must be a bool, got {incremental!r}")
+        self.incremental = incremental
         policies = [LatestN(self.max_to_keep)] if self.max_to_keep else []
         policies += [preservation_policy] if preservation_policy is not None else []
         self.preservation_policy = (
@@ -107,11 +117,13 @@ class CheckpointManager:
         self._metrics: dict[int, dict[str, Any] | None] = {}
         self._preemption_step: int | None = None
         self._closed = False
+        self._pins: dict[int, int] = {}  # base step -> saves in flight that reference it
         # The coordinator cleans up; the broadcast is the barrier nobody saves before.
         removed, steps = self._coordinated("listing checkpoints", self._startup_listing)
         if removed and self._is_coordinator:
             log.warning("removed incomplete step directories %s under %s", removed, self.path)
         self._last_step = steps[-1] if steps else None
+        self._last_committed = self._last_step
 
     def _startup_listing(self) -> tuple[list[int], list[int]]:
         removed = self._store.remove_incomplete()
@@ -252,24 +264,54 @@ class CheckpointManager:
             except Exception as exc:  # the save below reports a storage failure on all ranks
                 log.warning("could not record metrics of step %d: %s", step, exc)
         previous, self._last_step = self._last_step, step
+        base = self._pin_base() if self.incremental else None
         try:
-            future = None if blocking else io.save_step_async(self, step, state_dict)
+            future = None if blocking else io.save_step_async(self, step, state_dict, base)
             if blocking:
-                io.save_step(self, step, state_dict)
+                io.save_step(self, step, state_dict, base)
         except Exception as exc:
             self._last_step = previous
+            self._unpin(base)
             raise CheckpointError(f"save of step {step} to {self.path} failed: {exc}") from exc
         if blocking:
+            self._unpin(base)
             self._on_committed(step, metrics)
         else:
             handled = threading.Event()
             self._in_flight.append((step, future, handled))
             future.add_done_callback(
-                lambda f, s=step, m=metrics, h=handled: self._on_async_done(s, m, f, h)
+                lambda f, s=step, m=metrics, h=handled, b=base: self._on_async_done(s, m, f, h, b)
             )
         return True
 
-    def _on_async_done(self, step: int, metrics, future: Future, handled) -> None:
+    def _pin_base(self) -> int | None:
+        """The base of an incremental save: the newest step the coordinator saw commit.
+
+        It is pinned (kept by retention) until the save that references it finishes, and
+        broadcast so every rank references the same step.
+        """
+
+        def choose() -> int | None:
+            with self._lock:
+                base = self._last_committed
+                if base is not None:
+                    self._pins[base] = self._pins.get(base, 0) + 1
+            return base
+
+        return self._coordinated("choosing the base of an incremental save", choose)
+
+    def _unpin(self, base: int | None) -> None:
+        if base is None or not self._is_coordinator:
+            return
+        with self._lock:
+            left = self._pins.get(base, 0) - 1
+            if left > 0:
+                self._pins[base] = left
+            else:
+                self._pins.pop(base, None)
+
+    def _on_async_done(self, step: int, metrics, future: Future, handled, base=None) -> None:
+        self._unpin(base)
         try:
             exc = future.exception()
             if exc is None:
@@ -286,6 +328,7 @@ class CheckpointManager:
         if not self._is_coordinator:
             return
         with self._lock:
+            self._last_committed = max(step, self._last_committed or 0)
             self._metrics[step] = metrics
             try:
                 self._retention_futures.append(self._retention.submit(self._retain))
@@ -312,14 +355,21 @@ class CheckpointManager:
         for s in committed:
             if s not in known:
                 known[s] = self._store.read_metrics(s)
-        for s in steps_to_delete(self.preservation_policy, known):
+        with self._lock:
+            pinned = set(self._pins)  # bases of saves in flight
+        doomed = [s for s in steps_to_delete(self.preservation_policy, known) if s not in pinned]
+        # files of deleted steps that kept steps still reference stay (see _refs.py)
+        referenced = referenced_files(self._store, [s for s in committed if s not in doomed])
+        for s in doomed:
             try:
-                self._store.delete(s)
+                self._store.delete(s, referenced)
             except Exception as exc:  # retried by the next pass; training goes on
                 log.warning("could not delete step %d under %s: %s", s, self.path, exc)
                 continue
             with self._lock:
                 self._metrics.pop(s, None)
+        if committed and referenced:  # shared files no kept step references any more
+            self._store.remove_incomplete(referenced, below=committed[-1])
 
     # -- waiting ------------------------------------------------------------------------
     def _wait_in_flight(self, keep: int) -> None:
