@@ -368,7 +368,7 @@ class CheckpointManager:
                 continue
             with self._lock:
                 self._metrics.pop(s, None)
-        if committed and referenced:  # shared files no kept step references any more
+        if committed:  # shared files that no kept step references any more
             self._store.remove_incomplete(referenced, below=committed[-1])
 
     # -- waiting ------------------------------------------------------------------------
