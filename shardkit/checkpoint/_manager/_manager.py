@@ -118,12 +118,17 @@ class CheckpointManager:
         self._preemption_step: int | None = None
         self._closed = False
         self._pins: dict[int, int] = {}  # base step -> saves in flight that reference it
+        self._links: dict[int, dict[str, str]] = {}  # committed step -> its linked files
         # The coordinator cleans up; the broadcast is the barrier nobody saves before.
         removed, steps = self._coordinated("listing checkpoints", self._startup_listing)
         if removed and self._is_coordinator:
             log.warning("removed incomplete step directories %s under %s", removed, self.path)
         self._last_step = steps[-1] if steps else None
         self._last_committed = self._last_step
+        if steps and self._is_coordinator and self.preservation_policy is not None:
+            # a kill between a commit and its retention pass leaves one step too many;
+            # the first save waits for this pass, as for any other
+            self._retention_futures.append(self._retention.submit(self._retain))
 
     def _startup_listing(self) -> tuple[list[int], list[int]]:
         removed = self._store.remove_incomplete()
@@ -359,7 +364,9 @@ class CheckpointManager:
             pinned = set(self._pins)  # bases of saves in flight
         doomed = [s for s in steps_to_delete(self.preservation_policy, known) if s not in pinned]
         # files of deleted steps that kept steps still reference stay (see _refs.py)
-        referenced = referenced_files(self._store, [s for s in committed if s not in doomed])
+        referenced = referenced_files(
+            self._store, [s for s in committed if s not in doomed], self._links
+        )
         for s in doomed:
             try:
                 self._store.delete(s, referenced)

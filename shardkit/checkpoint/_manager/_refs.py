@@ -22,14 +22,24 @@ if TYPE_CHECKING:
 __all__ = ["referenced_files"]
 
 
-def referenced_files(store: StepStore, steps: Iterable[int]) -> dict[str, set[str]]:
+def referenced_files(
+    store: StepStore, steps: Iterable[int], cache: dict[int, dict[str, str]] | None = None
+) -> dict[str, set[str]]:
     """Step directory name -> names of its files that the metadata of ``steps`` links.
 
-    Raises if a step's metadata cannot be read: a caller must then delete nothing.
+    ``cache`` (step -> linked file -> directory) saves re-reading the metadata of steps
+    seen before: a committed step's metadata never changes. Raises if a step's metadata
+    cannot be read: a caller must then delete nothing.
     """
+    cache = {} if cache is None else cache
     out: dict[str, set[str]] = defaultdict(set)
+    steps = list(steps)
     for step in steps:
-        md = read_metadata(store.step_url(step), storage_options=store.storage_options)
-        for name, link in md.linked.items():
-            out[link.dir].add(name)
+        if step not in cache:
+            md = read_metadata(store.step_url(step), storage_options=store.storage_options)
+            cache[step] = {name: link.dir for name, link in md.linked.items()}
+        for name, folder in cache[step].items():
+            out[folder].add(name)
+    for step in set(cache) - set(steps):  # deleted steps' entries
+        del cache[step]
     return dict(out)
