@@ -14,6 +14,7 @@ base's directory (or, when the base itself referenced it, in the directory that 
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,29 @@ class Base:
             for key, t in metadata.tensors.items()
             for c in t.chunks
         }
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def mapped(self, name: str) -> mmap.mmap | None:
+        """A read-only map of a local base file (compared straight from the page cache)."""
+        if not self.reader.local:
+            return None
+        if name not in self._maps:
+            fd = self.reader.open_local(name)  # no symlink, regular file only
+            try:
+                self._maps[name] = mmap.mmap(
+                    fd,
+                    0,
+                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                    prot=mmap.PROT_READ,
+                )
+            finally:
+                os.close(fd)
+        return self._maps[name]
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
 
 
 def check_sibling(writer: StorageWriter, base: Any) -> FileSystemReader:
@@ -98,8 +122,19 @@ def _same_bytes(base: Base, chunk, view: memoryview, block: int) -> bool:
     for i, start in enumerate(range(0, len(view), block)):
         if xxhash.xxh3_64_hexdigest(view[start : start + block]) != chunk.checksums[i]:
             return False
-    scratch = torch.empty(min(_COMPARE_BYTES, max(1, len(view))), dtype=torch.uint8)
-    mine = torch.frombuffer(view, dtype=torch.uint8) if len(view) else scratch[:0]
+    if not len(view):
+        return True
+    mine = torch.frombuffer(view, dtype=torch.uint8)
+    mapped = base.mapped(chunk.file)
+    if mapped is not None:
+        if chunk.offset + len(view) > len(mapped):
+            return False
+        theirs = torch.frombuffer(mapped, dtype=torch.uint8, count=len(view), offset=chunk.offset)
+        try:
+            return torch.equal(theirs, mine)
+        finally:
+            del theirs  # releases the map's buffer so it can be closed
+    scratch = torch.empty(min(_COMPARE_BYTES, len(view)), dtype=torch.uint8)
     for start in range(0, len(view), _COMPARE_BYTES):
         n = min(_COMPARE_BYTES, len(view) - start)
         piece = scratch[:n]

@@ -159,7 +159,10 @@ def _reuse_base(job: SaveJob, writer: StorageWriter, data: Callable) -> tuple[li
     if base is None:
         return [], {}
     items = [i for _, items in job.files for i in items]
-    to_write, records, linked = reuse_chunks(base, items, data, bytes_view)
+    try:
+        to_write, records, linked = reuse_chunks(base, items, data, bytes_view)
+    finally:
+        base.close()
     job.files = _name_files(job, _assign_files(to_write, writer.thread_count))
     return records, linked
 
