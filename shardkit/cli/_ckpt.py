@@ -27,7 +27,7 @@ METADATA_FILE = "metadata.json"
 
 
 def add_subcommands(parser: argparse.ArgumentParser, add_debug: Callable) -> None:
-    """Add ls / inspect / verify / convert / diff to the ``ckpt`` parser."""
+    """Add ls / inspect / verify / convert / materialize / diff to the ``ckpt`` parser."""
     from ._ckpt_convert import FORMATS_FROM, FORMATS_TO, cmd_convert, cmd_diff
 
     sub = parser.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
