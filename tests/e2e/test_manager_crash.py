@@ -85,20 +85,37 @@ def _manager(url, incremental=False):
 
 
 def _loop(url: str, conn, incremental: bool) -> None:
-    """The training loop that gets killed: resume, then save every step asynchronously."""
+    """The training loop that gets killed: resume, then save every step asynchronously.
+
+    Its first save takes over the lease of the killed loop (same host, dead pid) and
+    removes the incomplete step directories that loop left; it reports what is left
+    (incremental: files that no listed step references).
+    """
+    from shardkit.checkpoint._manager._storage import StepStore
+
     torch.set_num_threads(1)
     mgr = _manager(url, incremental)
     latest = mgr.latest_step()
     state = _alloc()
     if latest is not None:
         mgr.restore(latest, state)
-    conn.send((latest, latest is None or _equal(state, _expected(latest))))
-    for step in itertools.count(0 if latest is None else latest + 1):
+    ok = latest is None or _equal(state, _expected(latest))
+    first = 0 if latest is None else latest + 1
+    for step in itertools.count(first):
         _fill(state, step)
         mgr.save_async(step, state)
+        if step == first:
+            store = StepStore(url)
+            if incremental:  # directories of deleted steps may keep referenced files
+                leftover = _unreferenced_leftovers(store, store.committed_steps(), skip={first})
+            else:
+                leftover = [
+                    s for s in store.list_step_dirs() if s != first and not store.has_marker(s)
+                ]
+            conn.send((latest, ok, leftover))
 
 
-def _unreferenced_leftovers(store, steps) -> list[str]:
+def _unreferenced_leftovers(store, steps, skip=()) -> list[str]:
     """Entries of directories without metadata that no listed step references."""
     from shardkit.checkpoint._manager._refs import referenced_files
     from shardkit.checkpoint._manager._storage import step_dir_name
@@ -106,7 +123,7 @@ def _unreferenced_leftovers(store, steps) -> list[str]:
     referenced = referenced_files(store, steps)
     bad = []
     for s in store.list_step_dirs():
-        if s in steps:
+        if s in steps or s in skip:
             continue
         name = step_dir_name(s)
         entries = os.listdir(os.path.join(store.root, name))
@@ -135,9 +152,10 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(tmp_path, increm
         send.close()
         try:
             assert recv.poll(60), f"kill {kill}: the loop did not start"
-            resumed_from, restored_ok = recv.recv()
+            resumed_from, restored_ok, leftover = recv.recv()
             assert resumed_from == newest, f"kill {kill}: resumed from {resumed_from}, not {newest}"
             assert restored_ok, f"kill {kill}: step {resumed_from} did not restore bit-exactly"
+            assert leftover == [], f"kill {kill}: incomplete step directories survived {leftover}"
             time.sleep(rng.uniform(0.02, 0.4))
         finally:
             os.kill(proc.pid, signal.SIGKILL)
@@ -145,13 +163,11 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(tmp_path, increm
         assert proc.exitcode == -signal.SIGKILL
 
         store = StepStore(url)
-        mid_save_kills += any(not store.has_marker(s) for s in store.list_step_dirs())
-        mgr = _manager(url, incremental)  # removes the incomplete step directory, if any
+        dirs = store.list_step_dirs()
+        mid_save_kills += any(not store.has_marker(s) for s in dirs)
+        mgr = _manager(url, incremental)  # a reader until it saves: it deletes nothing
         steps = mgr.all_steps()
-        if incremental:
-            assert not _unreferenced_leftovers(store, steps), _unreferenced_leftovers(store, steps)
-        else:
-            assert store.list_step_dirs() == steps, "an incomplete step directory survived"
+        assert set(steps) <= set(dirs), (steps, dirs)
         if newest is not None:
             assert steps and steps[-1] >= newest, f"kill {kill}: newest went back: {steps}"
         if steps:
@@ -161,6 +177,7 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(tmp_path, increm
             assert _equal(state, _expected(steps[-1])), f"kill {kill}: step {steps[-1]} differs"
             newest = steps[-1]
         mgr.close()
+        assert store.list_step_dirs() == dirs, f"kill {kill}: a reader changed the directory"
     assert newest is not None and newest >= kills, f"the loop barely progressed: {newest}"
     assert mid_save_kills >= 1, "no kill landed during a save; the test exercised nothing"
     if incremental:  # every listed step shares the frozen bytes of an older directory

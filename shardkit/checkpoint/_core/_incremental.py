@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -129,7 +130,11 @@ def _same_bytes(base: Base, chunk, view: memoryview, block: int) -> bool:
     if mapped is not None:
         if chunk.offset + len(view) > len(mapped):
             return False
-        theirs = torch.frombuffer(mapped, dtype=torch.uint8, count=len(view), offset=chunk.offset)
+        with warnings.catch_warnings():  # read-only map, only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            theirs = torch.frombuffer(
+                mapped, dtype=torch.uint8, count=len(view), offset=chunk.offset
+            )
         try:
             return torch.equal(theirs, mine)
         finally:

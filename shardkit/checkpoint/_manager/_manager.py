@@ -23,7 +23,8 @@ import torch.distributed as dist
 from .._core._errors import CheckpointError
 from ._checks import check_metrics as _check_metrics
 from ._checks import nonneg_int as _nonneg_int
-from ._comm import agree_flags, broadcast_json
+from ._comm import broadcast_json, flags_and_ranges
+from ._lease import Lease
 from ._preemption import PreemptionWatcher
 from ._refs import referenced_files
 from ._retention import AnyPreservationPolicy as _Any
@@ -57,6 +58,14 @@ class CheckpointManager:
             (must be the same ranks as ``process_group``); the commit itself always runs
             on the checkpoint core's private gloo group for those ranks, never on the
             training group.
+        read_only: a reader (an evaluator, a tool): ``save`` raises, and nothing under
+            ``path`` is ever deleted or written. Without it the manager is also a
+            reader until its first save, which takes the writer's lease on ``path``.
+        lease_ttl: seconds the writer's lease outlives its last renewal (it is renewed
+            at every save and every ``lease_ttl / 3`` s in the background).
+        take_over_lease: take the lease even if another writer's lease is live (use
+            when that writer is known to be gone; it fails at its next save).
+        num_of_threads: torch_xla's option: data files each rank writes in parallel.
         incremental: save each step as an incremental checkpoint of the previous committed
             step: chunks whose bytes did not change (a frozen base model, LoRA) are not
             rewritten but referenced. Retention keeps every file a kept step references.
@@ -77,6 +86,10 @@ class CheckpointManager:
         preservation_policy: PreservationPolicy | None = None,
         storage_options: dict[str, Any] | None = None,
         async_process_group: dist.ProcessGroup | None = None,
+        read_only: bool = False,
+        lease_ttl: float = 60.0,
+        take_over_lease: bool = False,
+        num_of_threads: int = 1,
         incremental: bool = False,
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
@@ -84,6 +97,8 @@ class CheckpointManager:
         self.save_interval = _nonneg_int("save_interval", save_interval, minimum=1)
         self.max_to_keep = _nonneg_int("max_to_keep", max_to_keep)
         self.max_pending_async = _nonneg_int("max_pending_async", max_pending_async, minimum=1)
+        #: torch_xla's option: files each rank writes in parallel per checkpoint
+        self.num_of_threads = _nonneg_int("num_of_threads", num_of_threads, minimum=1)
         if not isinstance(chkpt_on_preemption, bool):
             raise TypeError(f"chkpt_on_preemption must be a bool, got {chkpt_on_preemption!r}")
         if preservation_policy is not None and not isinstance(
@@ -95,6 +110,17 @@ class CheckpointManager:
             )
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, got {storage_options!r}")
+        for name, flag in (("read_only", read_only), ("take_over_lease", take_over_lease)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if (
+            isinstance(lease_ttl, bool)
+            or not isinstance(lease_ttl, (int, float))
+            or not lease_ttl >= 1.0
+        ):
+            raise ValueError(f"lease_ttl must be a number of seconds >= 1, got {lease_ttl!r}")
+        self.read_only = read_only
+        self._take_over = take_over_lease
         if not isinstance(incremental, bool):
             raise TypeError(f"incremental must be a bool, got {incremental!r}")
         self.incremental = incremental
@@ -105,6 +131,7 @@ class CheckpointManager:
         )
         self._store = StepStore(os.fspath(path), storage_options)
         self.path = self._store.url
+        self._lease = Lease(self._store.fs, self._store.root, ttl=float(lease_ttl))
         self._init_groups(process_group, async_process_group)
         self._watcher = PreemptionWatcher(preemption_signal) if chkpt_on_preemption else None
         if self._watcher is not None:  # a manager dropped without close() gives SIGTERM back
@@ -117,22 +144,70 @@ class CheckpointManager:
         self._metrics: dict[int, dict[str, Any] | None] = {}
         self._preemption_step: int | None = None
         self._closed = False
+        self._writing = False
         self._pins: dict[int, int] = {}  # base step -> saves in flight that reference it
         self._links: dict[int, dict[str, str]] = {}  # committed step -> its linked files
-        # The coordinator cleans up; the broadcast is the barrier nobody saves before.
-        removed, steps = self._coordinated("listing checkpoints", self._startup_listing)
-        if removed and self._is_coordinator:
-            log.warning("removed incomplete step directories %s under %s", removed, self.path)
+        # Read-only until the first save: a manager opened on a live run (an evaluator,
+        # a second trainer) never deletes what the writer is saving.
+        steps = self._coordinated("listing checkpoints", self._store.committed_steps)
         self._last_step = steps[-1] if steps else None
         self._last_committed = self._last_step
-        if steps and self._is_coordinator and self.preservation_policy is not None:
-            # a kill between a commit and its retention pass leaves one step too many;
-            # the first save waits for this pass, as for any other
-            self._retention_futures.append(self._retention.submit(self._retain))
+        if self._is_coordinator:  # a manager dropped without close() frees its lease
+            weakref.finalize(self, self._lease.release)
 
-    def _startup_listing(self) -> tuple[list[int], list[int]]:
-        removed = self._store.remove_incomplete()
-        return removed, self._store.committed_steps()
+    def _become_writer(self) -> None:
+        """Take the lease (collective), then clean up what crashed writers left."""
+        if self._writing:
+            return
+        if self.read_only:
+            raise ValueError(
+                f"CheckpointManager({self.path!r}) is read-only (read_only=True); "
+                "open it without read_only to save"
+            )
+
+        def acquire() -> tuple[list[int], list[int]]:
+            self._lease.acquire(take_over=self._take_over)
+            try:
+                removed = self._store.remove_incomplete()
+                aborted = self._store.abort_stale_uploads()
+                if aborted:
+                    log.warning("aborted %d unfinished uploads under %s", aborted, self.path)
+                # a kill between a commit and its retention pass left a step too many:
+                # one pass now, before this writer's first save (never raises)
+                self._retain()
+                return removed, self._store.committed_steps()
+            except BaseException:
+                self._lease.release()
+                raise
+
+        removed, steps = self._coordinated("taking the writer's lease", acquire)
+        if removed and self._is_coordinator:
+            log.warning("removed incomplete step directories %s under %s", removed, self.path)
+        if steps and (self._last_step is None or steps[-1] > self._last_step):
+            self._last_step = steps[-1]
+        self._last_committed = steps[-1] if steps else None
+        self._writing = True
+        if self._is_coordinator:
+            self._lease.start_heartbeat()
+
+    def _prepare_step(self, step: int, metrics) -> None:
+        """Coordinator: renew the lease (fencing), make the step directory safe, metrics."""
+        self._lease.renew(force=False)
+        self._store.prepare_step_dir(step)
+        try:
+            self._store.write_metrics(step, metrics)
+        except Exception as exc:  # the save itself reports a storage failure on all ranks
+            log.warning("could not record metrics of step %d: %s", step, exc)
+
+    def _remove_failed(self, step: int) -> None:
+        """Coordinator, right after a failed save: its partial files go at once."""
+        if not self._is_coordinator:
+            return
+        try:
+            if self._store.remove_failed(step):
+                log.warning("removed the files of the failed save of step %d", step)
+        except Exception as exc:  # the next writer start removes it
+            log.warning("could not remove the failed step %d under %s: %s", step, self.path, exc)
 
     # -- process groups ---------------------------------------------------------------
     def _init_groups(self, process_group, async_process_group) -> None:
@@ -173,7 +248,9 @@ class CheckpointManager:
             try:
                 result = {"ok": fn()}
             except Exception as exc:
-                result, cause = {"error": f"{type(exc).__name__}: {exc}"}, exc
+                what_failed = str(exc) if isinstance(exc, CheckpointError) else None
+                what_failed = what_failed or f"{type(exc).__name__}: {exc}"
+                result, cause = {"error": what_failed}, exc
         result = broadcast_json(result, self._ctrl, len(self._ranks))
         if "error" in result:
             raise CheckpointError(f"{what} under {self.path} failed: {result['error']}") from cause
@@ -218,7 +295,9 @@ class CheckpointManager:
     def save(self, step: int, state_dict: dict, force: bool = False, *, metrics=None) -> bool:
         """Save ``state_dict`` as ``step`` if due (interval, ``force`` or preemption).
 
-        Blocks until the checkpoint is committed. Returns whether it saved.
+        Blocks until the checkpoint is committed. Returns whether it saved. The first
+        save takes the writer's lease on ``path`` (a second writer is refused with
+        :class:`CheckpointError`); every rank must pass the same ``step`` and ``force``.
         """
         return self._save(step, state_dict, force, metrics, blocking=True)
 
@@ -243,7 +322,15 @@ class CheckpointManager:
         signalled = self._watcher is not None and self._watcher.received()
         with self._lock:
             failed = bool(self._errors)
-        signalled, failed = agree_flags([signalled, failed], self._ctrl, len(self._ranks))
+        (signalled, failed), ((lo, hi), (f_lo, f_hi)) = flags_and_ranges(
+            [signalled, failed], [step, int(bool(force))], self._ctrl, len(self._ranks)
+        )
+        if lo != hi or f_lo != f_hi:
+            what = f"steps from {lo} to {hi}" if lo != hi else "different force= values"
+            raise ValueError(
+                f"the ranks passed {what} to save() under {self.path}; every rank must "
+                f"save the same step (this rank: step {step}, force={force}). Nothing saved"
+            )
         if failed:
             self._wait_in_flight(0)
         preempted = signalled and self._preemption_step is None
@@ -263,11 +350,12 @@ class CheckpointManager:
         self._wait_retention()
         from . import _io as io
 
-        if self._is_coordinator:
-            try:
-                self._store.write_metrics(step, metrics)
-            except Exception as exc:  # the save below reports a storage failure on all ranks
-                log.warning("could not record metrics of step %d: %s", step, exc)
+        self._become_writer()
+        if self._last_step is not None and step <= self._last_step:
+            return False  # another writer committed it before we took the lease
+        self._coordinated(
+            f"preparing step {step}", lambda: self._prepare_step(step, metrics) or None
+        )
         previous, self._last_step = self._last_step, step
         base = self._pin_base() if self.incremental else None
         try:
@@ -277,6 +365,8 @@ class CheckpointManager:
         except Exception as exc:
             self._last_step = previous
             self._unpin(base)
+            if blocking:  # every rank failed alike (the core agrees on errors): clean up
+                self._coordinated("cleaning up", lambda: self._remove_failed(step))
             raise CheckpointError(f"save of step {step} to {self.path} failed: {exc}") from exc
         if blocking:
             self._unpin(base)
@@ -322,6 +412,7 @@ class CheckpointManager:
             if exc is None:
                 self._on_committed(step, metrics)
                 return
+            self._remove_failed(step)
             err = CheckpointError(f"background save of step {step} to {self.path} failed: {exc}")
             err.__cause__ = exc
             with self._lock:
@@ -337,7 +428,7 @@ class CheckpointManager:
             self._metrics[step] = metrics
             try:
                 self._retention_futures.append(self._retention.submit(self._retain))
-            except RuntimeError:  # interpreter exiting: the next start's pass will do it
+            except RuntimeError:  # interpreter exiting: the next writer's pass will do it
                 log.debug("retention pass after step %d skipped: shutting down", step)
 
     def _retain(self) -> None:
@@ -354,6 +445,7 @@ class CheckpointManager:
             log.warning("retention pass under %s failed: %s", self.path, exc)
 
     def _retain_pass(self) -> None:
+        self._lease.renew(force=False)  # a writer that lost its lease deletes nothing
         committed = self._store.committed_steps()
         with self._lock:
             known = {s: self._metrics[s] for s in committed if s in self._metrics}
@@ -446,6 +538,8 @@ class CheckpointManager:
             if self._watcher is not None:
                 self._watcher.close()
             self._retention.shutdown(wait=True)
+            if self._is_coordinator:
+                self._lease.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
