@@ -6,7 +6,7 @@ Figures: per-save bytes written and time (median over steps), disk use of 10 ret
 steps, bit-exact restores, and the two ways to confirm a hash match (hash only vs hash
 then byte comparison with the base, which shardkit does).
 
-    python benchmarks/bench_incremental.py [--quick]
+    python benchmarks/bench_incremental.py [--quick] [--mib N]
 """
 
 import json
@@ -25,7 +25,8 @@ from shardkit.checkpoint import CheckpointManager, read_metadata
 
 quick = "--quick" in sys.argv
 torch.set_num_threads(1)
-total = (32 << 20) if quick else (512 << 20)  # bytes of state
+mib = int(sys.argv[sys.argv.index("--mib") + 1]) if "--mib" in sys.argv else None
+total = (mib or (32 if quick else 512)) << 20  # bytes of state
 steps = 4 if quick else 10
 frozen_n = int(total * 0.9) // 4 // 16  # 16 frozen tensors, float32
 train_n = (total - 16 * frozen_n * 4) // 4 // 4  # adapters + 3 Adam-like tensors

@@ -14,9 +14,7 @@ base's directory (or, when the base itself referenced it, in the directory that 
 
 from __future__ import annotations
 
-import mmap
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +28,7 @@ from ._storage import FileSystemReader, StorageWriter
 
 __all__ = ["Base", "open_base", "reuse_chunks"]
 
-_COMPARE_BYTES = 4 << 20
+_COMPARE_BYTES = 8 << 20
 
 
 class Base:
@@ -44,29 +42,29 @@ class Base:
             for key, t in metadata.tensors.items()
             for c in t.chunks
         }
-        self._maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}
+        self.scratch = torch.empty(_COMPARE_BYTES, dtype=torch.uint8)
 
-    def mapped(self, name: str) -> mmap.mmap | None:
-        """A read-only map of a local base file (compared straight from the page cache)."""
+    def read(self, name: str, offset: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with base file bytes (local files: one descriptor per file, no
+        symlink, regular file only; other stores: a byte-range read)."""
+        view = memoryview(out.numpy())
         if not self.reader.local:
-            return None
-        if name not in self._maps:
-            fd = self.reader.open_local(name)  # no symlink, regular file only
-            try:
-                self._maps[name] = mmap.mmap(
-                    fd,
-                    0,
-                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                    prot=mmap.PROT_READ,
-                )
-            finally:
-                os.close(fd)
-        return self._maps[name]
+            self.reader.read_into(name, offset, view)
+            return
+        if name not in self._fds:
+            self._fds[name] = self.reader.open_local(name)
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fds[name], [view[done:]], offset + done)
+            if n == 0:
+                raise EOFError(f"{name}: ends at byte {offset + done}")
+            done += n
 
     def close(self) -> None:
-        for m in self._maps.values():
-            m.close()
-        self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def check_sibling(writer: StorageWriter, base: Any) -> FileSystemReader:
@@ -126,27 +124,24 @@ def _same_bytes(base: Base, chunk, view: memoryview, block: int) -> bool:
     if not len(view):
         return True
     mine = torch.frombuffer(view, dtype=torch.uint8)
-    mapped = base.mapped(chunk.file)
-    if mapped is not None:
-        if chunk.offset + len(view) > len(mapped):
-            return False
-        with warnings.catch_warnings():  # read-only map, only ever read
-            warnings.simplefilter("ignore", UserWarning)
-            theirs = torch.frombuffer(
-                mapped, dtype=torch.uint8, count=len(view), offset=chunk.offset
-            )
-        try:
-            return torch.equal(theirs, mine)
-        finally:
-            del theirs  # releases the map's buffer so it can be closed
-    scratch = torch.empty(min(_COMPARE_BYTES, len(view)), dtype=torch.uint8)
     for start in range(0, len(view), _COMPARE_BYTES):
         n = min(_COMPARE_BYTES, len(view) - start)
-        piece = scratch[:n]
-        base.reader.read_into(chunk.file, chunk.offset + start, memoryview(piece.numpy()))
-        if not torch.equal(piece, mine[start : start + n]):
+        piece = base.scratch[:n]
+        base.read(chunk.file, chunk.offset + start, piece)
+        if not _equal_bytes(piece, mine[start : start + n]):
             return False
     return True
+
+
+def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality of two uint8 tensors; compared as int64 words where both are 8-byte
+    aligned (torch.equal on uint8 runs ~20x slower than on int64 words)."""
+    n = a.numel() // 8 * 8
+    if n and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:
+        if not torch.equal(a[:n].view(torch.int64), b[:n].view(torch.int64)):
+            return False
+        return torch.equal(a[n:], b[n:])
+    return torch.equal(a, b)
 
 
 def reuse_chunks(
