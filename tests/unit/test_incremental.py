@@ -272,17 +272,34 @@ def test_load_after_any_mix_of_full_and_incremental_steps(tmp_path):
     assert read_metadata(f"{url}/step_00000007").linked  # incremental on step 6
 
 
-def test_incremental_on_an_fsspec_memory_store():
-    url = "memory://incremental-test/run"
-    mgr = CheckpointManager(url, 1, max_to_keep=2, incremental=True, chkpt_on_preemption=False)
-    for step in range(1, 5):
-        mgr.save(step, _state(step))
+def _exercise_store(url, storage_options=None, last=4) -> None:
+    kw = {"storage_options": storage_options, "chkpt_on_preemption": False}
+    mgr = CheckpointManager(url, 1, max_to_keep=2, incremental=True, **kw)
+    for step in range(1, last + 1):
+        (mgr.save if step % 2 else mgr.save_async)(step, _state(step))
     mgr.join()
-    assert mgr.all_steps() == [3, 4]
-    assert read_metadata(f"{url}/step_00000004").linked
-    for step in (3, 4):
+    assert mgr.all_steps() == [last - 1, last]
+    md = read_metadata(f"{url}/step_{last:08d}", storage_options=storage_options)
+    assert {link.dir for link in md.linked.values()} == {"step_00000001"}
+    for step in (last - 1, last):
         assert _same(mgr.restore(step, _empty()), _state(step))
     mgr.close()
+
+
+def test_incremental_on_an_fsspec_memory_store():
     import fsspec
 
+    _exercise_store("memory://incremental-test/run")
     fsspec.filesystem("memory").rm("/incremental-test", recursive=True)
+
+
+def test_incremental_on_a_loopback_s3_store():
+    from s3_server import LoopbackS3
+
+    with LoopbackS3() as s3:
+        s3.make_bucket("ckpt")
+        _exercise_store("s3://ckpt/run", s3.storage_options, last=3)  # the server is slow
+        fs = s3.filesystem()
+        fs.invalidate_cache()
+        names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt/run/step_00000001"))
+        assert names and all(n.startswith("data-") for n in names)  # only shared data
