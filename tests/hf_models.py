@@ -37,6 +37,7 @@ def config(kind: str):
             tie_word_embeddings=False,
             use_cache=False,
             attn_implementation="eager" if kind == "llama_eager" else "sdpa",
+            architectures=["LlamaForCausalLM"],
         )
     if kind == "gpt2":
         return GPT2Config(
@@ -52,6 +53,7 @@ def config(kind: str):
             embd_pdrop=0.0,
             attn_pdrop=0.0,
             attn_implementation="sdpa",
+            architectures=["GPT2LMHeadModel"],
         )
     if kind == "bert":
         return BertConfig(
@@ -64,6 +66,7 @@ def config(kind: str):
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
             attn_implementation="sdpa",
+            architectures=["BertForMaskedLM"],
         )
     raise ValueError(f"unknown model kind {kind!r}; pick one of {KINDS}")
 
