@@ -90,3 +90,32 @@ def batches(steps: int, batch: int, *, seed: int = 1):
 def loss_of(model, ids):
     """Mean token loss of a causal LM (next token) or a masked LM (every token)."""
     return model(input_ids=ids, labels=ids).loss
+
+
+def policy(kind: str):
+    """The transformer auto-wrap policy on the model's layer class."""
+    import functools
+
+    from shardkit.fsdp.wrap import transformer_auto_wrap_policy
+
+    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LAYER_CLS[kind]})
+
+
+def rank_world():
+    """(rank, world size); (0, 1) without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def global_loss(loss):
+    """The loss averaged over ranks (each rank's loss is its shard's mean)."""
+    import torch.distributed as dist
+
+    t = loss.detach().float().clone()
+    if dist.is_initialized():
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.item()
