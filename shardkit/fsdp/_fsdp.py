@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ._build import prepare_buffers, shard_parameters
 from ._comm import group_info
+from ._hf import guard_save_pretrained
 from ._options import FSDPOptions
 from ._state import (
     clip_grad_norm,
@@ -118,6 +119,7 @@ class FullyShardedDataParallel(nn.Module):
             wrapper = opts.auto_wrapper_callable or (lambda m, **kw: type(self)(m, **kw))
             auto_wrap(module, opts.auto_wrap_policy, wrapper, opts.for_child(), type(self))
         self.module = module
+        guard_save_pretrained(module)  # HF models: never write local shards silently
         prepare_buffers(module, opts, self._group, self.world_size)
         params = shard_parameters(module, opts, self._group, self.rank, self.world_size)
         self._state = UnitState(
