@@ -58,10 +58,33 @@ def _train_export(tmp):
     return out
 
 
+def _body(tmp, layouts):
+    return {"export": _train_export(tmp), "import": _import_body(layouts)}
+
+
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("hfx"))
-    return tmp, run_ranks(_train_export, 2, tmp, timeout=300)
+def world2(tmp_path_factory):
+    """HF directories written by save_pretrained (sharded and single-file) and their
+    logits; then one 2-rank launch that trains + exports and imports them."""
+    tmp = tmp_path_factory.mktemp("hfx")
+    layouts, want = {}, {}
+    for kind in KINDS:
+        model = build(kind)
+        want[kind] = _logits(model)
+        for layout, size in (("sharded", "20KB"), ("single", "5GB")):
+            path = tmp / f"{kind}-{layout}"
+            model.save_pretrained(path, max_shard_size=size)
+            has_index = os.path.exists(path / "model.safetensors.index.json")
+            assert has_index == (layout == "sharded")
+            layouts[kind, layout] = str(path)
+    results = run_ranks(_body, 2, str(tmp), layouts, timeout=400)
+    return str(tmp), results, want
+
+
+@pytest.fixture(scope="module")
+def exported(world2):
+    tmp, results, _ = world2
+    return tmp, [r["export"] for r in results]
 
 
 def _logits(model):
@@ -122,7 +145,7 @@ def test_cli_convert_to_hf(exported, tmp_path):
     )
 
 
-def _import_body(paths, kinds):
+def _import_body(layouts):
     import shardkit.checkpoint._convert._hf_import as hf_import
     from shardkit.checkpoint.hf import load_hf
     from shardkit.fsdp import FSDP
@@ -164,13 +187,13 @@ def _import_body(paths, kinds):
     hf_import.safe_open = Recorder
     out = {}
     try:
-        for kind, path in zip(kinds, paths):
+        for (kind, layout), path in layouts.items():
             reads.clear()
             model = FSDP(build(kind, seed=7), auto_wrap_policy=policy(kind))
             load_hf(model, path)
-            out[kind, "fsdp"] = (_logits(model).copy(), list(reads))
+            out[kind, layout, "fsdp"] = (_logits(model).copy(), list(reads))
             if kind == "llama":
-                out[kind, "tp"] = _tp_logits(path, load_hf)
+                out[kind, layout, "tp"] = _tp_logits(path, load_hf)
     finally:
         hf_import.safe_open = real_open
     return out
@@ -207,25 +230,24 @@ def _tp_logits(path, load_hf):
     return logits.detach().numpy().copy()
 
 
-@pytest.mark.parametrize("sharded", [True, False])
-def test_hf_directory_imports_into_fsdp_and_tp(tmp_path, sharded):
-    paths, want = [], {}
-    for kind in KINDS:
-        model = build(kind)
-        path = tmp_path / kind
-        model.save_pretrained(path, max_shard_size="20KB" if sharded else "5GB")
-        assert os.path.exists(path / "model.safetensors.index.json") == sharded
-        paths.append(str(path))
-        want[kind] = _logits(model)
-    results = run_ranks(_import_body, 2, paths, KINDS, timeout=300)
+@pytest.mark.parametrize("layout", ["sharded", "single"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_directory_imports_into_fsdp(world2, kind, layout):
+    _, results, want = world2
     for rank, res in enumerate(results):
-        for kind in KINDS:
-            logits, reads = res[kind, "fsdp"]
-            np.testing.assert_allclose(logits, want[kind], atol=LOGITS_ATOL, rtol=0)
-            for key, rows, start, stop in reads:  # only this rank's dim-0 rows
-                if rows is None or rows < 2:
-                    continue
-                per = -(-rows // 2)
-                assert (start, stop) == (rank * per, min(rows, (rank + 1) * per)), (key, start)
-            assert reads
-        np.testing.assert_allclose(res["llama", "tp"], want["llama"], atol=LOGITS_ATOL, rtol=0)
+        logits, reads = res["import"][kind, layout, "fsdp"]
+        np.testing.assert_allclose(logits, want[kind], atol=LOGITS_ATOL, rtol=0)
+        assert reads
+        for key, rows, start, stop in reads:  # only this rank's dim-0 rows
+            if rows is None or rows < 2:
+                continue
+            per = -(-rows // 2)
+            assert (start, stop) == (rank * per, min(rows, (rank + 1) * per)), (key, start)
+
+
+@pytest.mark.parametrize("layout", ["sharded", "single"])
+def test_hf_directory_imports_into_tensor_parallel(world2, layout):
+    _, results, want = world2
+    for res in results:
+        logits = res["import"]["llama", layout, "tp"]
+        np.testing.assert_allclose(logits, want["llama"], atol=LOGITS_ATOL, rtol=0)
