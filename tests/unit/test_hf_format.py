@@ -123,3 +123,21 @@ def test_save_pretrained_under_fsdp_refuses_shards_and_accepts_full_state(tmp_pa
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ok")
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[k], v, atol=0, rtol=0)
+
+
+def test_cli_to_hf_needs_a_config_and_reports_missing_parameters(gpt2_ckpt, tmp_path, capsys):
+    from shardkit.cli import main
+
+    tmp, _ = gpt2_ckpt
+    assert main(["ckpt", "convert", str(tmp / "train"), str(tmp_path / "a"), "--to", "hf"]) != 0
+    assert "--to hf needs --config" in capsys.readouterr().err
+    cfg = tmp_path / "config.json"
+    cfg.write_text(config("gpt2").to_json_string())
+    args = ["ckpt", "convert", str(tmp / "partial"), str(tmp_path / "b"), "--to", "hf"]
+    assert main([*args, "--config", str(cfg)]) != 0
+    assert "initialise them randomly" in capsys.readouterr().err
+    args = ["ckpt", "convert", str(tmp / "train"), str(tmp_path / "c"), "--to", "hf"]
+    assert main([*args, "--config", str(cfg), "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "tied (written once): lm_head.weight -> transformer.wte.weight" in out
+    assert "dropped 1 key(s)" in out and "  optim" in out
