@@ -20,6 +20,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 
+from ... import runtime
 from .._core._errors import CheckpointError
 from .._core._format import Metadata
 from ._io import SafetensorsStreamWriter, check_progress, checkpoint_metadata, read_full
@@ -328,18 +329,24 @@ def to_hf(
     rows, report = _plan(metadata, template, chosen, dtype)
     fs, root = fsspec.core.url_to_fs(os.fspath(path))
     rank, world = _world()
+    taken: list[str] = []
     if rank == 0:
-        taken = [
-            n for n in (INDEX_FILE, CONFIG_FILE, "model.safetensors") if fs.exists(f"{root}/{n}")
-        ]
-        if taken and not overwrite:
-            raise FileExistsError(
-                f"{os.fspath(path)!r} already holds an HF model ({taken}); pass overwrite=True "
-                "or pick an empty directory"
-            )
-        fs.makedirs(root, exist_ok=True)
-    if world > 1:
-        dist.barrier()
+        names = (INDEX_FILE, CONFIG_FILE, "model.safetensors")
+        taken = [n for n in names if fs.exists(f"{root}/{n}")]
+        if not taken or overwrite:
+            fs.makedirs(root, exist_ok=True)
+    if world > 1:  # every rank raises alike, so none waits at a barrier for rank 0
+        # NCCL needs the flag on this rank's GPU; gloo takes the CPU
+        on = runtime.device() if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([len(taken)], dtype=torch.int64, device=on)
+        dist.broadcast(flag, src=0)
+        if flag.item() and not taken:
+            taken = ["files seen by rank 0"]
+    if taken and not overwrite:
+        raise FileExistsError(
+            f"{os.fspath(path)!r} already holds an HF model ({taken}); pass overwrite=True "
+            "or pick an empty directory"
+        )
     groups = _split(rows, max_bytes)
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     for i, (name, group) in enumerate(zip(names, groups)):
