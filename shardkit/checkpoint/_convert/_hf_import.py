@@ -8,7 +8,6 @@ replicated one. Nothing is gathered and no rank reads the whole file.
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
@@ -151,31 +150,6 @@ def load_hf(
             pending.setdefault(wmap[hf_key], []).append((hf_key, slices, live))
         else:
             kept.append(key)
-    handles: dict[str, Any] = {}
-    try:
-        with torch.no_grad():
-            for name, items in pending.items():
-                full = os.path.join(folder, name)
-                f = handles.setdefault(name, _open(full))
-                for hf_key, slices, live in items:
-                    piece = f.get_slice(hf_key)
-                    shape = tuple(piece.get_shape())
-                    want = tuple(s.stop - s.start for s in slices) if slices else ()
-                    if len(shape) != len(slices) or any(s.stop > n for s, n in zip(slices, shape)):
-                        raise ValueError(
-                            f"{full}: {hf_key!r} has shape {shape}, which does not fit the "
-                            f"model's {_shape_of(state[prefix + hf_key])}"
-                        )
-                    if _shape_of(state[prefix + hf_key]) != shape:
-                        raise ValueError(
-                            f"{full}: {hf_key!r} has shape {shape} but the model's is "
-                            f"{_shape_of(state[prefix + hf_key])}"
-                        )
-                    if math.prod(want):
-                        data = piece[slices] if slices else f.get_tensor(hf_key)
-                        live.copy_(data.reshape(live.shape))
-    finally:
-        handles.clear()
     missing = []
     for key in kept:
         aliases = tied.get(key, ())
@@ -187,6 +161,28 @@ def load_hf(
             f"the HF checkpoint {os.fspath(path)!r} lacks {len(missing)} parameter(s) of the "
             f"model: {missing[:20]}; pass strict=False to keep their current values"
         )
+    handles = {name: _open(os.path.join(folder, name)) for name in pending}
+    try:
+        # every shape first (headers only), so a mismatch changes nothing
+        for name, items in pending.items():
+            for hf_key, _slices, _live in items:
+                shape = tuple(handles[name].get_slice(hf_key).get_shape())
+                want = _shape_of(state[prefix + hf_key])
+                if shape != want:
+                    raise ValueError(
+                        f"{os.path.join(folder, name)}: {hf_key!r} has shape {shape} but the "
+                        f"model's is {want}"
+                    )
+        with torch.no_grad():
+            for name, items in pending.items():
+                f = handles[name]
+                for hf_key, slices, live in items:
+                    if live.numel() == 0:
+                        continue  # an empty shard: nothing of this tensor on this rank
+                    data = f.get_slice(hf_key)[slices] if slices else f.get_tensor(hf_key)
+                    live.copy_(data.reshape(live.shape))
+    finally:
+        handles.clear()
     return sorted(kept)
 
 

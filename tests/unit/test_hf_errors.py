@@ -102,8 +102,10 @@ def test_load_hf_strict_names_missing_parameters(tmp_path):
     del tensors["model.norm.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     dst = build("llama", seed=3)
+    before = dst.lm_head.weight.detach().clone()
     with pytest.raises(KeyError, match="model.norm.weight"):
         load_hf(dst, tmp_path)
+    torch.testing.assert_close(dst.lm_head.weight, before, atol=0, rtol=0)  # nothing loaded
     kept = load_hf(dst, tmp_path, strict=False)
     assert "model.norm.weight" in kept
     torch.testing.assert_close(dst.lm_head.weight, src.lm_head.weight, atol=0, rtol=0)
