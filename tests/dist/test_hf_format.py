@@ -59,7 +59,9 @@ def _train_export(tmp):
 
 
 def _body(tmp, layouts):
-    return {"export": _train_export(tmp), "import": _import_body(layouts)}
+    imported = _import_body(layouts)
+    imported["paths"] = layouts
+    return {"export": _train_export(tmp), "import": imported}
 
 
 @pytest.fixture(scope="module")
@@ -184,18 +186,34 @@ def _import_body(layouts):
             reads.append((key, None, None, None))
             return self.f.get_tensor(key)
 
-    hf_import.safe_open = Recorder
+    real_rows, real_read = hf_import._rows_read, hf_import._Header.read_into
+    nbytes = [0]
+
+    def rows_read(head, key, slices, live, shape):  # the direct pread path
+        done = real_rows(head, key, slices, live, shape)
+        if done:
+            reads.append((key, shape[0], slices[0].start, slices[0].stop))
+        return done
+
+    def read_into(self, out, offset):
+        nbytes[0] += out.numel() * out.element_size()
+        return real_read(self, out, offset)
+
+    hf_import.safe_open, hf_import._rows_read = Recorder, rows_read
+    hf_import._Header.read_into = read_into
     out = {}
     try:
         for (kind, layout), path in layouts.items():
             reads.clear()
+            nbytes[0] = 0
             model = FSDP(build(kind, seed=7), auto_wrap_policy=policy(kind))
             load_hf(model, path)
-            out[kind, layout, "fsdp"] = (_logits(model).copy(), list(reads))
+            out[kind, layout, "fsdp"] = (_logits(model).copy(), list(reads), nbytes[0])
             if kind == "llama":
                 out[kind, layout, "tp"] = _tp_logits(path, load_hf)
     finally:
-        hf_import.safe_open = real_open
+        hf_import.safe_open, hf_import._rows_read = real_open, real_rows
+        hf_import._Header.read_into = real_read
     return out
 
 
@@ -234,10 +252,13 @@ def _tp_logits(path, load_hf):
 @pytest.mark.parametrize("kind", KINDS)
 def test_hf_directory_imports_into_fsdp(world2, kind, layout):
     _, results, want = world2
+    path = results[0]["import"]["paths"][kind, layout]
+    total = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     for rank, res in enumerate(results):
-        logits, reads = res["import"][kind, layout, "fsdp"]
+        logits, reads, nbytes = res["import"][kind, layout, "fsdp"]
         np.testing.assert_allclose(logits, want[kind], atol=LOGITS_ATOL, rtol=0)
         assert reads
+        assert 0 < nbytes < 0.6 * total, (nbytes, total)  # about half: its own rows only
         for key, rows, start, stop in reads:  # only this rank's dim-0 rows
             if rows is None or rows < 2:
                 continue

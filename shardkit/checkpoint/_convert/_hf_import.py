@@ -8,7 +8,9 @@ replicated one. Nothing is gathered and no rank reads the whole file.
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 from typing import Any
 
 import torch
@@ -24,6 +26,18 @@ from ._hf import INDEX_FILE
 __all__ = ["load_hf", "hf_weight_map"]
 
 _SINGLE = "model.safetensors"
+_DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def _check_name(name: Any, index_path: str) -> str:
@@ -80,6 +94,81 @@ def _open(path: str):
         return safe_open(path, framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+_MAX_HEADER = 100 << 20
+
+
+class _Header:
+    """A safetensors file's header, checked against the file's size (hostile input)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(self.fd).st_size
+        raw = os.pread(self.fd, 8, 0)
+        hlen = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if not 0 < hlen <= min(_MAX_HEADER, size - 8):
+            self.close()
+            raise CorruptCheckpointError(f"{path}: safetensors header length {hlen} is invalid")
+        try:
+            header = json.loads(os.pread(self.fd, hlen, 8))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            self.close()
+            raise CorruptCheckpointError(
+                f"{path}: safetensors header is not JSON ({exc})"
+            ) from None
+        self.base, self.size = 8 + hlen, size
+        self.entries = header if isinstance(header, dict) else {}
+
+    def byte_range(self, key: str, dtype: str, shape: tuple, itemsize: int) -> int | None:
+        """Where ``key``'s data starts, if stored as ``dtype`` / ``shape``; else None."""
+        info = self.entries.get(key)
+        if not isinstance(info, dict) or info.get("dtype") != dtype:
+            return None
+        offsets = info.get("data_offsets")
+        if list(info.get("shape", ())) != list(shape) or not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+        ):
+            return None
+        begin, end = offsets
+        if not 0 <= begin <= end or end - begin != math.prod(shape) * itemsize:
+            return None
+        if self.base + end > self.size:
+            raise CorruptCheckpointError(
+                f"{self.path}: {key!r} byte range {begin}..{end} runs past the end of the file"
+            )
+        return self.base + begin
+
+    def read_into(self, out: torch.Tensor, offset: int) -> None:
+        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CorruptCheckpointError(f"{self.path}: truncated at byte {offset + done}")
+            done += n
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _rows_read(head: _Header, key: str, slices: tuple, live: torch.Tensor, shape: tuple) -> bool:
+    """Read a dim-0 row range straight into ``live`` (one pread): FSDP's shards, and any
+    box whole on every other dim. False when the layout or dtype does not allow it."""
+    if not slices or not live.is_contiguous() or live.dtype not in _DTYPE_NAMES:
+        return False
+    if any(s.start != 0 or s.stop != n for s, n in zip(slices[1:], shape[1:])):
+        return False
+    itemsize = live.element_size()
+    start = head.byte_range(key, _DTYPE_NAMES[live.dtype], shape, itemsize)
+    if start is None:
+        return False
+    row = math.prod(shape[1:]) * itemsize
+    head.read_into(live, start + slices[0].start * row)
+    return True
 
 
 def _keys(path: str) -> list[str]:
@@ -162,6 +251,7 @@ def load_hf(
             f"model: {missing[:20]}; pass strict=False to keep their current values"
         )
     handles = {name: _open(os.path.join(folder, name)) for name in pending}
+    heads: dict[str, _Header] = {}
     try:
         # every shape first (headers only), so a mismatch changes nothing
         for name, items in pending.items():
@@ -176,13 +266,20 @@ def load_hf(
         with torch.no_grad():
             for name, items in pending.items():
                 f = handles[name]
+                head = heads[name] = _Header(os.path.join(folder, name))
                 for hf_key, slices, live in items:
                     if live.numel() == 0:
                         continue  # an empty shard: nothing of this tensor on this rank
+                    shape = _shape_of(state[prefix + hf_key])
+                    if _rows_read(head, hf_key, slices, live, shape):
+                        continue
+                    # other boxes (e.g. column shards) and dtype casts: safetensors slices
                     data = f.get_slice(hf_key)[slices] if slices else f.get_tensor(hf_key)
                     live.copy_(data.reshape(live.shape))
     finally:
         handles.clear()
+        for head in heads.values():
+            head.close()
     return sorted(kept)
 
 
