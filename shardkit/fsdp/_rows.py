@@ -89,7 +89,7 @@ def local_rows(value: Any, layout, rank: int) -> Any:
     if isinstance(value, ShardedTensor):
         if tuple(value.shape) != shape:
             return value  # the caller's size check reports it
-        if value.partition_spec == spec(len(shape)) and value.mesh.size == layout.world:
+        if value.partition_spec == spec(len(shape)) and value.mesh.size() == layout.world:
             return value._local_tensor
         return layout.shard_of(value.full_tensor().detach(), rank)
     if tuple(value.shape) == shape and tuple(layout.local_shape(rank)) != shape:

@@ -116,7 +116,7 @@ def _local_part(value: Any, fqn: str, shape: tuple, spec: tuple, box_of) -> torc
             f"parameter has shape {tuple(shape)}"
         )
     if isinstance(value, ShardedTensor):
-        if value.partition_spec == spec and value.mesh.size == runtime.world_size():
+        if value.partition_spec == spec and value.mesh.size() == runtime.world_size():
             return value.local_tensor().detach()
         value = value.full_tensor().detach()
     return box_of(value)
