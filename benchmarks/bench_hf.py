@@ -123,6 +123,11 @@ def _worker(framework, phase, rank, world, port, cfg, tmp, queue):
     import torch.distributed as dist
     import torch.distributed.checkpoint as tdcp
 
+    # every import before the clock starts: the phases time reading and writing only
+    import shardkit.checkpoint as dcp
+    from shardkit.checkpoint.hf import load_hf, to_hf
+    from shardkit.checkpoint.state_dict import get_model_state_dict
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _model(framework, cfg, seed=0 if phase == "export" else 1)
@@ -134,10 +139,6 @@ def _worker(framework, phase, rank, world, port, cfg, tmp, queue):
     figures = {}
     start = time.perf_counter()
     if phase == "export" and framework == "shardkit":
-        import shardkit.checkpoint as dcp
-        from shardkit.checkpoint.hf import to_hf
-        from shardkit.checkpoint.state_dict import get_model_state_dict
-
         dcp.save(get_model_state_dict(model), checkpoint_id=f"{out}-ckpt")
         dist.barrier()
         mid = time.perf_counter()
@@ -158,8 +159,6 @@ def _worker(framework, phase, rank, world, port, cfg, tmp, queue):
         )
         tdcp.save(sd, storage_writer=writer)
     elif framework == "shardkit":
-        from shardkit.checkpoint.hf import load_hf
-
         load_hf(model, f"{tmp}/hf")
     else:
         sd = model.state_dict()
