@@ -26,6 +26,7 @@ from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
 from ._save import (
     SaveJob,
+    base_reader,
     prepare,
     resolve_writer,
     set_inflight,
@@ -126,6 +127,7 @@ def async_save(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     process_group: Any = None,
+    incremental_base: str | os.PathLike | None = None,
     async_checkpointer_type: Any = None,
     async_stager: Any = None,
     no_dist: bool = False,
@@ -148,6 +150,9 @@ def async_save(
     previous save is still in flight waits for it first, so at most one staging copy
     exists per rank.
 
+    ``incremental_base`` works as in :func:`save` (the comparison with the base runs in
+    the background, on the staged copy).
+
     ``no_dist`` and ``use_collectives`` are as in :func:`save`; torch's
     ``async_checkpointer_type`` and ``async_stager`` are accepted (shardkit stages and
     writes on one background thread of this process; other choices warn once).
@@ -162,6 +167,7 @@ def async_save(
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     if not isinstance(zero_stall, bool):
         raise TypeError(f"zero_stall must be True or False, got {zero_stall!r}")
+    base = base_reader(writer, incremental_base)
     wait_for_inflight()
     future: Future = Future()
     future.set_running_or_notify_cancel()
@@ -183,6 +189,7 @@ def async_save(
         try:
             job = prepare(state_dict, planner, comm, writer.thread_count,
                           flat_fn=_flat_fn(flat, error))  # fmt: skip
+            job.base = base
             staged = _stage(job, None)
         except BaseException as exc:
             if job is None:  # planning failed on some rank: every rank knows
@@ -207,6 +214,7 @@ def async_save(
                 try:
                     job = prepare(state_dict, planner, comm, writer.thread_count,
                                   flat_fn=_flat_fn(flat, None))  # fmt: skip
+                    job.base = base
                     staged = _stage(job, snapshot)
                 except BaseException as exc:
                     if job is None:  # planning failed: its agreement told every rank
