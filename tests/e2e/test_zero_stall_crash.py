@@ -15,7 +15,8 @@ import torch
 import shardkit.checkpoint as dcp
 
 CHILD = r"""
-import sys, threading, torch
+import faulthandler, sys, threading, torch
+faulthandler.dump_traceback_later(120, exit=True)  # a hang fails with the stacks, not silently
 import shardkit.checkpoint as dcp
 from shardkit.checkpoint._core import _async
 path, use_manager = sys.argv[1], sys.argv[2] == "1"
