@@ -4,6 +4,7 @@ from . import _rules, layout  # noqa: F401  (_rules registers the sharding rules
 from ._comm import CollectiveCounts, count_collectives
 from ._dispatch import fallback_counts, register_rule, reset_fallback_counts
 from ._mesh import Mesh
+from ._module import shard_module
 from ._placement import Placement
 from ._sharded_tensor import ShardedTensor, clear_sharding, mark_sharding
 from ._spmd_fsdp import SpmdFullyShardedDataParallel
@@ -23,4 +24,5 @@ __all__ = [
     "mark_sharding",
     "register_rule",
     "reset_fallback_counts",
+    "shard_module",
 ]

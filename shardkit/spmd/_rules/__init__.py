@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import register_class_rule
-from . import _matmul, _nn, _optim, _pointwise, _reduce, _views  # noqa: F401  (registration)
+from . import _index, _matmul, _nn, _optim, _pointwise, _reduce, _views  # noqa: F401
 
 _EXTRA_POINTWISE = {"masked_fill_", "masked_fill", "where", "clamp_", "clamp_min_", "clamp_max_"}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import _comm
-from .._dispatch import register_rule
+from .._dispatch import Declined, register_rule
 from ._common import Placement, is_st, local_under, move_cost, norm_dim, wrap
 
 aten = torch.ops.aten
@@ -230,36 +230,61 @@ def _nll_backward(func, args, kwargs):
 
 
 # -- attention --------------------------------------------------------------------------
+def _mask_placement(mask, mesh, lead, shape) -> Placement:
+    """The mask's placement for attention sharded ``lead`` on (batch, heads): it
+    broadcasts against ``shape``, so a dim of size 1 (or missing) stays whole."""
+    off = len(shape) - mask.ndim
+    spec = []
+    for i in range(mask.ndim):
+        d = i + off
+        spec.append(lead[d] if d < 2 and mask.shape[i] == shape[d] else ())
+    return Placement(mesh, tuple(spec))
+
+
 @register_rule(
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
 )
 def _attention(func, args, kwargs):
     """Attention is independent per (batch, head): those two dims keep their sharding,
-    sequence and head dims are gathered. Dropout inside attention and masks go through
-    the fallback (exact, with the single-device random stream)."""
+    sequence and head dims are gathered. An ``attn_mask`` is sliced like the batch and
+    head dims it spans (broadcast dims stay whole). Dropout inside attention goes
+    through the fallback (exact, with the single-device random stream)."""
     backward = func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     n_tensors = 6 if backward else 3
     tensors, rest = list(args[:n_tensors]), list(args[n_tensors:])
     dropout_p = rest[0] if rest else kwargs.get("dropout_p", 0.0)
-    if dropout_p or kwargs.get("attn_mask") is not None:
-        return NotImplemented
-    mesh = _mesh(*tensors)
+    if dropout_p:
+        return Declined(f"dropout_p={dropout_p} inside attention (random stream)")
+    mask = kwargs.get("attn_mask")
+    mesh = _mesh(*tensors, *([mask] if mask is not None else []))
     options = []
     for t in tensors:
         lead = _spec_of(t)[:2]
         if lead not in options:
             options.append(lead)
+    q_shape = tuple(tensors[1].shape) if backward else tuple(tensors[0].shape)
     best = None
     for lead in options:
         reqs = [Placement(mesh, lead + ((),) * (t.ndim - 2)) for t in tensors]
         cost = sum(move_cost(t, r) for t, r in zip(tensors, reqs))
+        mask_req = None
+        if isinstance(mask, torch.Tensor):
+            mask_req = _mask_placement(mask, mesh, lead, q_shape)
+            cost += move_cost(mask, mask_req)
         if best is None or cost < best[0]:
-            best = (cost, lead, reqs)
-    _, lead, reqs = best
-    outs = func(*[local_under(t, r) for t, r in zip(tensors, reqs)], *rest, **kwargs)
+            best = (cost, lead, reqs, mask_req)
+    _, lead, reqs, mask_req = best
+    local_kwargs = dict(kwargs)
+    meta_kwargs = dict(kwargs)
+    if mask_req is not None:
+        local_kwargs["attn_mask"] = local_under(mask, mask_req)
+        meta_kwargs["attn_mask"] = torch.empty(mask.shape, dtype=mask.dtype, device="meta")
+    outs = func(*[local_under(t, r) for t, r in zip(tensors, reqs)], *rest, **local_kwargs)
     metas = func(
-        *[torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors], *rest, **kwargs
+        *[torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors],
+        *rest,
+        **meta_kwargs,
     )
     return tuple(
         wrap(o, Placement(mesh, lead + ((),) * (o.ndim - 2)), m.shape) for o, m in zip(outs, metas)

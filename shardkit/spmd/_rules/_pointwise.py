@@ -74,7 +74,21 @@ def _candidate(st, out_shape) -> tuple:
     return tuple(spec)
 
 
-def _plan(func, sts, out_spec, first) -> tuple[tuple, bool]:
+def _scales_only(holder, tensors) -> bool:
+    """Whether ``P * t`` should keep ``P`` pending: only when every other tensor operand
+    is a scalar (``numel() == 1``).
+
+    Multiplying by a non-scalar tensor ``t`` makes a new value the same size as ``P`` or
+    larger, so resolving ``P`` now costs no more than resolving the product later, and
+    the resolution is remembered on ``P``, where every other consumer of ``P`` reuses it.
+    Kept pending, each product would need its own all-reduce: a column-parallel layer's
+    input gradient, for example, feeds both halves of a norm's backward (the input
+    gradient and the weight gradient).
+    """
+    return all(t is holder or t.numel() == 1 for t in tensors)
+
+
+def _plan(func, sts, out_spec, first, tensors=()) -> tuple[tuple, bool]:
     """Output partial axes for ``out_spec`` and whether non-partial terms go to the leader."""
     base = func.overloadpacket.__name__.rstrip("_")
     partials = {st._placement.partial for st in sts if st._placement.partial}
@@ -88,7 +102,9 @@ def _plan(func, sts, out_spec, first) -> tuple[tuple, bool]:
     if base in _ADD:
         return partial, True
     if base in _MUL and len(holders) == 1 and (base == "mul" or holders[0] is first):
-        return partial, False
+        if _scales_only(holders[0], tensors):
+            return partial, False
+        return (), False
     if base in _UNARY_LINEAR and len(sts) == 1:
         return partial, False
     return (), False
@@ -122,7 +138,7 @@ def pointwise_rule(func, args, kwargs):
 
     best = None
     for spec in candidates:
-        partial, leader_only = _plan(func, sts, spec, first)
+        partial, leader_only = _plan(func, sts, spec, first, tensors)
         reqs = []
         cost = 0
         for st in sts:

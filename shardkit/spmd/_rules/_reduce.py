@@ -196,3 +196,34 @@ def _vector_norm(func, args, kwargs):
     return wrap(
         powered ** (1.0 / ord_), Placement(p.mesh, spec), _out_shape(st.shape, dims, keepdim)
     )
+
+
+@register_rule(aten.all.default, aten.any.default, aten.all.dim, aten.any.dim, aten.all.dims)
+def _all_any(func, args, kwargs):
+    """``all`` / ``any``: each rank reduces its shard; over sharded dims the booleans are
+    combined at once (one all-reduce of the result as bytes: min for all, max for any)."""
+    st = args[0]
+    if func in (aten.all.default, aten.any.default):
+        dims, keepdim = list(range(st.ndim)), False
+    else:
+        dims = _dims(st, args[1] if len(args) > 1 else kwargs.get("dim"))
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    p = st._placement.without_partial()
+    local = local_under(st, p)
+    is_all = func.overloadpacket.__name__ == "all"
+    if local.numel() == 0 or any(local.shape[d] == 0 for d in dims):
+        shape = _out_shape(local.shape, dims, keepdim)
+        result = torch.full(shape, is_all, dtype=torch.bool, device=local.device)
+    else:
+        result = (
+            aten.all.dims(local, dims, keepdim) if is_all else aten.any.dims(local, dims, keepdim)
+        )
+    axes = sorted({a for d in dims for a in p.spec[d]})
+    if axes:
+        as_bytes = result.to(torch.uint8)
+        _comm.all_reduce(as_bytes, p.mesh, axes, "min" if is_all else "max")
+        result = as_bytes.to(torch.bool)
+    spec = tuple(
+        () if d in dims else axes_ for d, axes_ in enumerate(p.spec) if keepdim or d not in dims
+    )
+    return wrap(result, Placement(p.mesh, spec), _out_shape(st.shape, dims, keepdim))

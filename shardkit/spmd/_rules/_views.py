@@ -16,7 +16,7 @@ from itertools import combinations
 
 import torch
 
-from .._dispatch import register_rule
+from .._dispatch import Declined, register_rule
 from ..layout import chunk_bounds, mesh_coords, shard_index
 from ._common import Placement, is_st, local_under, move_cost, norm_dim, wrap
 
@@ -278,9 +278,21 @@ def _index_backward(func, args, kwargs):
 def _join(func, args, kwargs, stack: bool):
     tensors = list(args[0])
     dim_arg = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not stack:
+        # torch.cat skips 1-D empty tensors whatever the others' shapes (a KV cache starts
+        # as one); they hold nothing, so dropping them changes neither value nor layout
+        kept = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]
+        tensors = kept or tensors[:1]
+        if not any(is_st(t) for t in tensors):
+            st = next(t for t in args[0] if is_st(t))
+            local = func(
+                [local_under(t, Placement.replicated(st._placement.mesh, t.ndim)) for t in tensors],
+                dim_arg,
+            )
+            return wrap(local, Placement.replicated(st._placement.mesh, local.ndim), local.shape)
     ndim = tensors[0].ndim
     if any(t.ndim != ndim for t in tensors):
-        return NotImplemented
+        return Declined(f"operands of different ranks {[tuple(t.shape) for t in tensors]}")
     dim = norm_dim(dim_arg, ndim + 1 if stack else ndim)
     sts = [t for t in tensors if is_st(t)]
     mesh = sts[0]._placement.mesh
