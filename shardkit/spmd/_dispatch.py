@@ -101,7 +101,19 @@ def _sharded_type():
     return ShardedTensor
 
 
+#: ``(detect(args, kwargs), handle(func, args, kwargs, dispatch))`` pairs for operands
+#: that need their own path before the rules (folded batch dims: ``_rules/_fold.py``)
+_SPECIAL_OPERANDS: list[tuple[Callable, Callable]] = []
+
+
 def dispatch(func, args: tuple, kwargs: dict):
+    for detect, handle in _SPECIAL_OPERANDS:
+        if detect(args, kwargs):
+            return handle(func, args, kwargs, _dispatch_rules)
+    return _dispatch_rules(func, args, kwargs)
+
+
+def _dispatch_rules(func, args: tuple, kwargs: dict):
     rule = _RULES[func] if func in _RULES else _rule_for(func)
     if rule is None:
         return fallback(func, args, kwargs)

@@ -18,6 +18,7 @@ import torch
 
 from .._dispatch import Declined, register_rule
 from ..layout import chunk_bounds, mesh_coords, shard_index
+from . import _fold
 from ._common import Placement, is_st, local_under, move_cost, norm_dim, wrap
 
 aten = torch.ops.aten
@@ -135,6 +136,10 @@ def _view(func, args, kwargs):
     p = st._placement
     out_shape = _infer_shape(size, st.numel())
     req_spec, out_spec = view_plan(tuple(st.shape), p.spec, out_shape, p.mesh.mesh_shape)
+    if req_spec != p.spec:
+        folded = _fold.try_fold(st, out_shape)  # (batch, heads) -> batch*heads for bmm
+        if folded is not None:
+            return folded
     req = Placement(p.mesh, req_spec, p.partial)
     out = Placement(p.mesh, out_spec, p.partial)
     local = local_under(st, req).reshape(out.box(out_shape).sizes)
