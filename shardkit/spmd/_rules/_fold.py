@@ -25,6 +25,7 @@ import torch
 from .._placement import Placement
 from .._sharded_tensor import ShardedTensor
 from ..layout import mesh_coords
+from ._common import is_st, local_under
 
 aten = torch.ops.aten
 
@@ -89,9 +90,16 @@ def try_fold(st: ShardedTensor, out_shape: tuple):
     return make(local, placement, out_shape, (tuple(in_shape[:k]), tuple(specs)))
 
 
+def _materialize(value: Folded) -> ShardedTensor:
+    """The folded tensor in a true chunk layout (the view rule gathers what it must)."""
+    from ._views import plain_view
+
+    return plain_view(value.unfolded(), tuple(value.shape))
+
+
 def _unfold_all(value):
     if type(value) is Folded:
-        return value.unfolded()
+        return _materialize(value)
     if type(value) in (list, tuple):
         return type(value)(_unfold_all(v) for v in value)
     return value
@@ -108,7 +116,7 @@ def has_folded(args: tuple, kwargs: dict) -> bool:
 
 def dispatch_folded(func, args: tuple, kwargs: dict, dispatch):
     """Run ``func`` on folded operands: locally where the op keeps rows apart, otherwise
-    on the unfolded tensors through ``dispatch``."""
+    on the operands brought to a true layout, through ``dispatch``."""
     out = _folded_op(func, args, kwargs)
     if out is not NotImplemented:
         return out
@@ -118,6 +126,8 @@ def dispatch_folded(func, args: tuple, kwargs: dict, dispatch):
 
 
 def _folded_op(func, args, kwargs):
+    if func is aten.bmm.default:
+        return _bmm(func, args)
     st = args[0]
     if type(st) is not Folded:
         return NotImplemented
@@ -143,14 +153,47 @@ def _folded_op(func, args, kwargs):
         if -1 in target or target != tuple(sizes) + tuple(st.shape[1:]):
             return NotImplemented
         return st.unfolded()
-    if func is aten.bmm.default:
-        return _bmm(func, args)
     return NotImplemented
+
+
+def _as_folded(x, like: Folded):
+    """``x`` (a true-layout or plain tensor of ``like``'s dim-0 size) folded like ``like``:
+    its dim 0 is unflattened, laid out like the group (a local slice when ``x`` is
+    replicated there), and folded again."""
+    from ._views import plain_view
+
+    sizes, specs = like._fold
+    mesh = like._placement.mesh
+    shape = tuple(sizes) + tuple(x.shape[1:])
+    if is_st(x):
+        x_spec = x._placement.spec[1:]
+        partial = x._placement.partial
+        x = plain_view(x, shape)
+    else:
+        x_spec, partial = ((),) * (x.ndim - 1), ()
+        x = x.reshape(shape)
+    used = {a for s in specs for a in s}
+    rest = tuple(() if set(s) & used else s for s in x_spec)
+    req = Placement(mesh, tuple(specs) + rest, tuple(q for q in partial if q[0] not in used))
+    local = local_under(x, req)
+    axes = tuple(a for s in specs for a in s)
+    folded_shape = (math.prod(sizes),) + tuple(shape[len(sizes) :])
+    placement = Placement(mesh, (axes,) + rest, req.partial)
+    return make(
+        local.reshape(placement.box(folded_shape).sizes), placement, folded_shape, like._fold
+    )
 
 
 def _bmm(func, args):
     a, b = args
-    if type(a) is not Folded or type(b) is not Folded or a._fold != b._fold:
+    if type(a) is not Folded and type(b) is not Folded:
+        return NotImplemented
+    like = a if type(a) is Folded else b
+    if type(a) is not Folded:
+        a = _as_folded(a, like)
+    if type(b) is not Folded:
+        b = _as_folded(b, like)
+    if a._fold != b._fold:
         return NotImplemented
     pa, pb = a._placement, b._placement
     if pa.partial or pb.partial or pa.spec[0] != pb.spec[0]:

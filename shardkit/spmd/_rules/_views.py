@@ -140,6 +140,14 @@ def _view(func, args, kwargs):
         folded = _fold.try_fold(st, out_shape)  # (batch, heads) -> batch*heads for bmm
         if folded is not None:
             return folded
+    return plain_view(st, out_shape, req_spec, out_spec)
+
+
+def plain_view(st, out_shape, req_spec=None, out_spec=None):
+    """``st.view(out_shape)`` in a chunk layout (gathering the dims that break it)."""
+    p = st._placement
+    if req_spec is None:
+        req_spec, out_spec = view_plan(tuple(st.shape), p.spec, out_shape, p.mesh.mesh_shape)
     req = Placement(p.mesh, req_spec, p.partial)
     out = Placement(p.mesh, out_spec, p.partial)
     local = local_under(st, req).reshape(out.box(out_shape).sizes)
