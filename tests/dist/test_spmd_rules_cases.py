@@ -70,6 +70,7 @@ CASES = {
     # normalisations
     "softmax_sharded_dim": ([((5, 7), (D, M))], lambda x: torch.softmax(x, dim=1)),
     "log_softmax": ([((5, 7), (D, M))], lambda x: torch.log_softmax(x, dim=0)),
+    "safe_softmax": ([((5, 7), (D, M))], lambda x: torch.ops.aten._safe_softmax(x, 1)),
     "layer_norm": (
         [((5, 3, 7), (D, None, M)), ((7,), (M,)), ((7,), (None,))],
         lambda x, w, b: F.layer_norm(x, (7,), w, b),

@@ -33,7 +33,7 @@ def _replicated(x, mesh):
 
 
 # -- softmax ----------------------------------------------------------------------------
-@register_rule(aten._softmax.default, aten._log_softmax.default)
+@register_rule(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
 def _softmax(func, args, kwargs):
     st, dim = args[0], norm_dim(args[1], args[0].ndim)
     p = st._placement
