@@ -207,8 +207,8 @@ def run_llama(mesh_shape, attn: str, mask: bool, use_cache: bool, seq: int = 8) 
     return out
 
 
-def run_gpt2_tied(mesh_shape) -> dict:
-    ref = gpt2()
+def run_gpt2_tied(mesh_shape, attn: str = "sdpa") -> dict:
+    ref = gpt2(attn)
     assert ref.lm_head.weight is ref.transformer.wte.weight
     batch = llama_batch(mesh_shape, mask=True, seq=8)
     out = train_side_by_side(ref, GPT2_PLAN, mesh_shape, batch)
@@ -218,8 +218,8 @@ def run_gpt2_tied(mesh_shape) -> dict:
     return out
 
 
-def run_bert(mesh_shape) -> dict:
-    ref = bert()
+def run_bert(mesh_shape, attn: str = "sdpa") -> dict:
+    ref = bert(attn)
     batch = llama_batch(mesh_shape, mask=True, seq=8)
     batch["labels"] = torch.tensor([0, 2])
     out = train_side_by_side(ref, BERT_PLAN, mesh_shape, batch)

@@ -24,7 +24,8 @@ NUM_LAYERS = 2
 NUM_PARAMS = 9 * NUM_LAYERS + 3  # 7 linears + 2 norms per layer; embed, final norm, lm_head
 TOL = 1e-5
 #: AdamW divides by sqrt(v): parameters whose gradients are ~0 move by up to lr on float
-#: noise, so parameters are compared more loosely than logits and gradients
+#: noise, so parameters, and the logits after the steps, are compared more loosely than
+#: the first step's logits and gradients (an untied lm_head is off by ~0.1)
 PARAM_TOL = 1e-4
 
 LLAMA_1D = {
@@ -44,8 +45,9 @@ SEQ_2D = 32
 
 def _one_d():
     out = {name: run_llama((2,), *args) for name, args in LLAMA_1D.items()}
-    out["gpt2"] = run_gpt2_tied((2,))
-    out["bert"] = run_bert((2,))
+    for attn in ("sdpa", "eager"):
+        out[f"gpt2_{attn}"] = run_gpt2_tied((2,), attn)
+        out[f"bert_{attn}"] = run_bert((2,), attn)
     return out
 
 
@@ -71,8 +73,9 @@ def two_d():
 
 
 def _check_values(r):
-    assert max(r["logits_err"]) < TOL, r["logits_err"]
-    assert r["final_logits_err"] < TOL
+    assert r["logits_err"][0] < TOL, r["logits_err"]  # before any update
+    assert max(r["logits_err"]) < PARAM_TOL, r["logits_err"]
+    assert r["final_logits_err"] < PARAM_TOL
     assert max(r["loss_err"]) < TOL
     assert r["grad_err"] < TOL
     assert r["grads_placed"], "a gradient came back in another layout than its parameter"
@@ -113,8 +116,9 @@ def test_llama_plan_shards_as_stated(one_d):
     assert specs["model.norm.weight"] == (None,)
 
 
-def test_gpt2_tied_embeddings_stay_tied_and_match(one_d):
-    r = one_d["gpt2"]
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_gpt2_tied_embeddings_stay_tied_and_match(one_d, attn):
+    r = one_d[f"gpt2_{attn}"]
     assert r["tied"], "lm_head no longer shares wte's sharded parameter"
     assert r["specs"]["transformer.wte.weight"] == ("model", None)
     assert "lm_head.weight" not in r["specs"]  # named once, as in torch
@@ -134,8 +138,9 @@ def test_gpt2_tied_embeddings_stay_tied_and_match(one_d):
     }
 
 
-def test_bert_tp_zero_fallbacks(one_d):
-    r = one_d["bert"]
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bert_tp_zero_fallbacks(one_d, attn):
+    r = one_d[f"bert_{attn}"]
     _check_values(r)
     assert r["fallbacks"] == {}
     assert r["calls"] == {

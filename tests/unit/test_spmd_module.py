@@ -6,7 +6,6 @@ import re
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import shardkit.spmd as xs
