@@ -110,18 +110,13 @@ def _plan(func, sts, out_spec, first, tensors=()) -> tuple[tuple, bool]:
     return (), False
 
 
-def pointwise_rule(func, args, kwargs):
-    if "out" in kwargs:
-        return NotImplemented
-    flat, tree, num_positional = _flatten(args, kwargs)
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    sts = [x for x in tensors if is_st(x)]
-    mesh = sts[0]._placement.mesh
+def _choose(func, tensors, sts, mesh, first):
+    """``(out_shape, spec, partial, leader_only, reqs)`` for a pointwise call, or
+    NotImplemented."""
     if any(st._placement.mesh != mesh for st in sts):
         return NotImplemented
     out_shape = _broadcast([tuple(t.shape) for t in tensors])
     inplace = is_inplace(func)
-    first = args[0]
     if inplace:
         if not is_st(first) or tuple(first.shape) != out_shape:
             return NotImplemented
@@ -147,8 +142,47 @@ def pointwise_rule(func, args, kwargs):
             reqs.append(req)
             cost += move_cost(st, req)
         if best is None or cost < best[0]:
-            best = (cost, spec, partial, leader_only, reqs)
+            best = (cost, spec, partial, leader_only, tuple(reqs))
     _, spec, partial, leader_only, reqs = best
+    return out_shape, spec, partial, leader_only, reqs
+
+
+#: pointwise plans by (op, operands' shapes / placements / identities): the choice is pure
+#: arithmetic on those, and a training step repeats the same few hundred calls
+_PLANS: dict = {}
+_MAX_PLANS = 8192
+
+
+def _plan_key(func, tensors, first):
+    ids: dict[int, int] = {}
+    parts = []
+    for t in tensors:
+        slot = ids.setdefault(id(t), len(ids))
+        placement = t._placement if is_st(t) else None
+        parts.append((slot, tuple(t.shape), placement, t is first))
+    return (func, tuple(parts))
+
+
+def pointwise_rule(func, args, kwargs):
+    if "out" in kwargs:
+        return NotImplemented
+    flat, tree, num_positional = _flatten(args, kwargs)
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    sts = [x for x in tensors if is_st(x)]
+    mesh = sts[0]._placement.mesh
+    first = args[0]
+    key = _plan_key(func, tensors, first)
+    cached = _PLANS.get(key)
+    if cached is None:
+        cached = _choose(func, tensors, sts, mesh, first)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = cached
+    if cached is NotImplemented:
+        return NotImplemented
+    out_shape, spec, partial, leader_only, reqs = cached
+    reqs = list(reqs)
+    inplace = is_inplace(func)
     out_placement = Placement(mesh, spec, partial)
     if inplace and first._placement.partial and not partial:
         resolve_inplace(first)
