@@ -172,6 +172,10 @@ CASES = {
         [((4, 4, 5, 3), (D, M, None, None)), ((4, 4, 3, 5), (D, M, None, None))],
         lambda a, b: torch.softmax(a @ b, -1) @ a,
     ),
+    "flatten_heads_is_the_output": (
+        [((2, 4, 5, 3), (None, M, None, None))],
+        lambda x: x.reshape(8, 5, 3),
+    ),
     "flatten_heads_then_other_op": (
         [((2, 4, 5, 3), (None, M, None, None))],
         lambda x: x.reshape(8, 5, 3).exp(),

@@ -132,3 +132,15 @@ def test_a_declined_rule_is_logged_as_declined_with_its_reason(caplog):
     assert any("index" in m and "declined: boolean mask" in m for m in messages), messages
     assert any("_unique2" in m and "has no sharding rule" in m for m in messages), messages
     assert xs.fallback_counts() == {"index": 1, "_unique2": 1}
+
+
+def test_folded_tensor_refuses_redistribute_with_the_fix():
+    from shardkit.spmd._rules import _fold
+
+    mesh = xs.Mesh(np.arange(1), (1,), ("model",))
+    x = xs.mark_sharding(torch.randn(2, 4, 3), mesh, (None, "model", None))
+    folded = _fold.try_fold(x, (8, 3))
+    assert isinstance(folded, _fold.Folded)
+    assert torch.equal(folded.full_tensor(), xs.clear_sharding(x).reshape(8, 3))
+    with pytest.raises(ValueError, match=r"view\(\)"):
+        folded.redistribute(("model", None))

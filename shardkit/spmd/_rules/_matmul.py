@@ -13,7 +13,7 @@ from itertools import product
 
 import torch
 
-from .._dispatch import register_rule
+from .._dispatch import Declined, register_rule
 from ._common import (
     Placement,
     disjoint,
@@ -99,7 +99,7 @@ def _mm(func, args, kwargs):
 def _addmm(func, args, kwargs):
     bias, a, b = args[:3]
     if is_st(bias) and bias._placement.partial:
-        return NotImplemented
+        return Declined("a bias holding a pending sum")
     mesh = next(x for x in (a, b, bias) if is_st(x))._placement.mesh
     out_shape = (a.shape[0], b.shape[1])
     req_a, req_b, out, req_bias = _plan(

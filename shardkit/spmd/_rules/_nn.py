@@ -144,7 +144,7 @@ def _embedding_backward(func, args, kwargs):
     dim_axes = g_spec[-1]
     i_spec = tuple(tuple(a for a in axes if a not in dim_axes) for axes in g_spec[:-1])
     if scale_by_freq and any(i_spec):
-        return NotImplemented
+        return Declined("scale_grad_by_freq with sharded indices (needs global counts)")
     req_g = Placement(mesh, i_spec + (dim_axes,))
     req_i = Placement(mesh, i_spec)
     local = func(local_under(grad, req_g), local_under(indices, req_i), *args[2:])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._dispatch import register_rule
+from .._dispatch import Declined, register_rule
 from ._common import (
     Placement,
     is_partial_leader,
@@ -112,14 +112,14 @@ def _plan(func, sts, out_spec, first, tensors=()) -> tuple[tuple, bool]:
 
 def _choose(func, tensors, sts, mesh, first):
     """``(out_shape, spec, partial, leader_only, reqs)`` for a pointwise call, or
-    NotImplemented."""
+    Declined."""
     if any(st._placement.mesh != mesh for st in sts):
-        return NotImplemented
+        return Declined("operands on different meshes")
     out_shape = _broadcast([tuple(t.shape) for t in tensors])
     inplace = is_inplace(func)
     if inplace:
         if not is_st(first) or tuple(first.shape) != out_shape:
-            return NotImplemented
+            return Declined("an in-place op on a plain tensor, or one that broadcasts self")
         candidates = [first._placement.spec]
     else:
         candidates = []
@@ -165,7 +165,7 @@ def _plan_key(func, tensors, first):
 
 def pointwise_rule(func, args, kwargs):
     if "out" in kwargs:
-        return NotImplemented
+        return Declined("an out= argument")
     flat, tree, num_positional = _flatten(args, kwargs)
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     sts = [x for x in tensors if is_st(x)]
@@ -178,8 +178,8 @@ def pointwise_rule(func, args, kwargs):
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = cached
-    if cached is NotImplemented:
-        return NotImplemented
+    if isinstance(cached, Declined):
+        return cached
     out_shape, spec, partial, leader_only, reqs = cached
     reqs = list(reqs)
     inplace = is_inplace(func)
@@ -219,7 +219,7 @@ def pointwise_rule(func, args, kwargs):
         return wrap(out, out_placement, out_shape)
     if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
         return type(out)(wrap(o, out_placement, out_shape) for o in out)
-    return NotImplemented
+    return Declined(f"an output of type {type(out).__name__}")
 
 
 # -- factories and fills -------------------------------------------------------------
@@ -302,7 +302,7 @@ def _new(func, args, kwargs):
 def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
     if not is_st(dst):
-        return NotImplemented
+        return Declined("copying a sharded tensor into a plain one")
     placement = dst._placement.without_partial()
     if dst._placement.partial:
         dst._local_tensor = dst._local_tensor.clone()

@@ -14,7 +14,7 @@ import math
 import torch
 
 from .. import _comm
-from .._dispatch import register_rule
+from .._dispatch import Declined, register_rule
 from ._common import Placement, local_under, norm_dim, wrap
 
 aten = torch.ops.aten
@@ -74,7 +74,7 @@ def _sum(func, args, kwargs):
     if st.ndim == 0:
         return wrap(func(st._local_tensor, *args[1:], **kwargs), st._placement, ())
     if not dims:
-        return NotImplemented
+        return Declined("an empty dim list")
     return _reduce(
         st, dims, keepdim, "sum", lambda t: aten.sum.dim_IntList(t, dims, keepdim, dtype=dtype)
     )
@@ -89,7 +89,7 @@ def _mean(func, args, kwargs):
         dims = _dims(st, args[1])
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     if not dims:
-        return NotImplemented
+        return Declined("an empty dim list")
     dtype = kwargs.get("dtype")
     count = math.prod(st.shape[d] for d in dims)
 
@@ -121,7 +121,7 @@ def _max_all(func, args, kwargs):
     dims = list(range(st.ndim))
     is_max = func is aten.max.default
     if not dims:
-        return NotImplemented
+        return Declined("a 0-dim tensor")
     reducer = aten.amax.default if is_max else aten.amin.default
     return _reduce(
         st,
@@ -151,7 +151,7 @@ def _indexed(func, args, kwargs):
     st = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if dim is None or st.ndim == 0:
-        return NotImplemented
+        return Declined("no dim, or a 0-dim tensor")
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     return _gather_dim_then_local(func, st, norm_dim(dim, st.ndim), keepdim, args, kwargs)
 
@@ -164,7 +164,7 @@ def _vector_norm(func, args, kwargs):
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
     dtype = kwargs.get("dtype")
     if st.ndim == 0:
-        return NotImplemented
+        return Declined("a 0-dim tensor")
     p = st._placement.without_partial()
     sharded_axes = [a for d in dims for a in p.spec[d]]
     if not sharded_axes:
@@ -184,7 +184,7 @@ def _vector_norm(func, args, kwargs):
             _lowest if op == "max" else _highest,
         )
     if ord_ == 0 or ord_ < 0:
-        return NotImplemented
+        return Declined(f"ord={ord_} over sharded dims")
     local = local_under(st, p)
     if dtype is not None:
         local = local.to(dtype)

@@ -273,7 +273,7 @@ def _unbind(func, args, kwargs):
 def _index_backward(func, args, kwargs):
     grad, input_sizes, dim = args[0], tuple(args[1]), args[2]
     if not is_st(grad):
-        return NotImplemented
+        return Declined("a plain gradient")
     dim = norm_dim(dim, len(input_sizes))
     p = grad._placement
     if func is aten.select_backward.default:
@@ -357,7 +357,7 @@ def _gather_scatter(func, args, kwargs):
     st, dim = args[0], args[1]
     dim = norm_dim(dim, st.ndim)
     if not is_st(st):
-        return NotImplemented
+        return Declined("a plain indexed tensor with sharded indices")
     others = [a for a in args[2:] if isinstance(a, torch.Tensor)]
     p = st._placement
     spec = tuple(
