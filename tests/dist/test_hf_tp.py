@@ -124,16 +124,15 @@ def test_gpt2_tied_embeddings_stay_tied_and_match(one_d, attn):
     assert "lm_head.weight" not in r["specs"]  # named once, as in torch
     _check_values(r)
     assert r["fallbacks"] == {}
-    # per layer: the row-parallel c_proj outputs (2 all-reduces) forward and the inputs of
-    # c_attn / c_fc backward; plus the vocabulary-parallel embedding's sum forward and its
-    # resolution backward. Gathers: the fused c_attn output is split into q, k, v (one per
-    # layer, whose backward gathers twice), and cross-entropy gathers the vocab-sharded logits.
+    # all-reduces: per layer the row-parallel c_proj outputs forward and the input
+    # gradients of c_attn / c_fc backward; the vocabulary-parallel embedding's sum
+    # forward and lm_head's input gradient backward; the vocabulary-parallel softmax's row
+    # max and row sum forward and its row sum backward (the logits are never gathered).
+    # Gathers: the fused c_attn output is split into q, k, v along its sharded dim (one
+    # per layer forward; backward the three gradients are joined again: three per layer).
     assert r["calls"] == {
-        "forward": {"all_gather:model": NUM_LAYERS + 1, "all_reduce:model": 2 * NUM_LAYERS + 1},
-        "backward": {
-            "all_gather:model": 2 * NUM_LAYERS + 2,
-            "all_reduce:model": 2 * NUM_LAYERS + 1,
-        },
+        "forward": {"all_gather:model": NUM_LAYERS, "all_reduce:model": 2 * NUM_LAYERS + 3},
+        "backward": {"all_gather:model": 3 * NUM_LAYERS, "all_reduce:model": 2 * NUM_LAYERS + 2},
         "step": {},
     }
 

@@ -95,6 +95,10 @@ CASES = {
             x, torch.where(t == 2, 9, t), weight=torch.linspace(0.5, 2.0, 7), ignore_index=9
         ),
     ),
+    "cross_entropy_none_vocab_sharded": (
+        [((6, 7), (None, M)), ((6,), (None,), "idx", 7)],
+        lambda x, t: F.cross_entropy(x, torch.where(t == 1, -100, t), reduction="none"),
+    ),
     "dropout": ([((5, 7), (D, M))], lambda x: F.dropout(x, 0.4, training=True)),
     "cross_entropy_mean": (
         [((5, 7), (D, M)), ((5,), (D,), "idx", 7)],

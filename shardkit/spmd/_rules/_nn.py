@@ -5,6 +5,8 @@ pointwise ops and a mean, which have their own rules).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import _comm
@@ -37,14 +39,58 @@ def _replicated(x, mesh):
 def _softmax(func, args, kwargs):
     st, dim = args[0], norm_dim(args[1], args[0].ndim)
     p = st._placement
+    if p.spec[dim] and func is not aten._safe_softmax.default and st.is_floating_point():
+        return _sharded_softmax(func, st, dim, args)
     req = Placement(p.mesh, _unshard(p.spec, {dim}))
     return wrap(func(local_under(st, req), dim, *args[2:]), req, st.shape)
+
+
+def _sharded_softmax(func, st, dim, args):
+    """Softmax over a sharded dim without gathering it (vocabulary-parallel logits): the
+    row max and the row sum of exponentials are all-reduced over the dim's axes, one
+    value per row each."""
+    p = st._placement.without_partial()
+    axes = sorted(p.spec[dim])
+    local = local_under(st, p)
+    if len(args) > 2 and args[2]:  # half_to_float
+        local = local.float()
+    if local.shape[dim]:
+        row_max = local.amax(dim, keepdim=True)
+    else:
+        sizes = list(local.shape)
+        sizes[dim] = 1
+        row_max = local.new_full(sizes, -math.inf)
+    _comm.all_reduce(row_max, p.mesh, axes, "max")
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    shifted = local - row_max
+    sum_exp = shifted.exp().sum(dim, keepdim=True)
+    _comm.all_reduce(sum_exp, p.mesh, axes, "sum")
+    if func is aten._log_softmax.default:
+        out = shifted - sum_exp.log()
+    else:
+        out = shifted.exp() / sum_exp
+    return wrap(out, p, st.shape)
 
 
 @register_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
 def _softmax_backward(func, args, kwargs):
     grad, output, dim = args[0], args[1], norm_dim(args[2], args[1].ndim)
     mesh = _mesh(grad, output)
+    out_spec = _spec_of(output)
+    if out_spec[dim]:
+        # the softmax dim is sharded: the one row sum the formula needs is all-reduced
+        req = Placement(mesh, out_spec)
+        g, o = local_under(grad, req), local_under(output, req)
+        axes = sorted(out_spec[dim])
+        if func is aten._log_softmax_backward_data.default:
+            row = g.sum(dim, keepdim=True)
+            _comm.all_reduce(row, mesh, axes, "sum")
+            local = g - o.exp() * row
+        else:
+            row = (g * o).sum(dim, keepdim=True)
+            _comm.all_reduce(row, mesh, axes, "sum")
+            local = o * (g - row)
+        return wrap(local.to(args[3]), req, grad.shape)
     options = [_unshard(_spec_of(x), {dim}) for x in (grad, output)]
     req = min(
         (Placement(mesh, s) for s in options),
@@ -181,10 +227,56 @@ def _nll_placements(x, target):
     return mesh, batch_axes, Placement(mesh, x_spec), Placement(mesh, (batch_axes,) * target.ndim)
 
 
+def _class_axes(x, batch_axes) -> tuple:
+    """The axes of ``x``'s class dim (2-D input) that the batch does not use."""
+    if x.ndim != 2 or not is_st(x) or not x.is_floating_point():
+        return ()
+    return tuple(a for a in x._placement.spec[1] if a not in batch_axes)
+
+
+def _class_sharded_pick(x, target, weight, ignore_index, batch_axes, class_axes):
+    """Vocabulary-parallel NLL: each rank picks the targets that fall in its classes."""
+    mesh = _mesh(x, target)
+    x_req = Placement(mesh, (batch_axes, class_axes))
+    t_req = Placement(mesh, (batch_axes,))
+    lx, lt = local_under(x, x_req), local_under(target, t_req)
+    lw = _replicated(weight, mesh)
+    lo, size = x_req.box(x.shape).offsets[1], lx.shape[1]
+    valid = lt != ignore_index
+    mine = valid & (lt >= lo) & (lt < lo + size)
+    idx = (lt - lo).clamp(0, max(size - 1, 0))
+    if lw is None:
+        w_t = valid.to(lx.dtype)
+    else:
+        w_t = lw[torch.where(valid, lt, 0)] * valid
+    return mesh, x_req, lx, mine, idx, w_t
+
+
 @register_rule(aten.nll_loss_forward.default)
 def _nll_forward(func, args, kwargs):
     x, target, weight, reduction, ignore_index = args
     mesh, axes, x_req, t_req = _nll_placements(x, target)
+    class_axes = _class_axes(x, axes)
+    if class_axes:
+        mesh, x_req, lx, mine, idx, w_t = _class_sharded_pick(
+            x, target, weight, ignore_index, axes, class_axes
+        )
+        picked = lx.gather(1, idx.unsqueeze(1)).squeeze(1) if lx.shape[1] else lx.new_zeros(0)
+        losses = torch.where(mine, -picked * w_t, torch.zeros_like(w_t))
+        total = w_t.sum().to(lx.dtype)
+        _comm.all_reduce(total, mesh, sorted(axes), "sum")
+        class_partial = tuple((a, "sum") for a in class_axes)
+        rep = Placement.replicated(mesh, 0)
+        if reduction == 0:
+            return (
+                wrap(losses, Placement(mesh, (axes,), class_partial), target.shape),
+                wrap(total, rep, ()),
+            )
+        out = losses.sum()
+        if reduction == 1:
+            out = out / total
+        partial = class_partial + tuple((a, "sum") for a in axes)
+        return wrap(out, Placement(mesh, (), partial), ()), wrap(total, rep, ())
     lx, lt, lw = local_under(x, x_req), local_under(target, t_req), _replicated(weight, mesh)
     if not axes:
         out, total = func(lx, lt, lw, reduction, ignore_index)
@@ -216,6 +308,23 @@ def _nll_forward(func, args, kwargs):
 def _nll_backward(func, args, kwargs):
     grad, x, target, weight, reduction, ignore_index, total = args
     mesh, axes, x_req, t_req = _nll_placements(x, target)
+    class_axes = _class_axes(x, axes)
+    if class_axes:
+        mesh, x_req, lx, mine, idx, w_t = _class_sharded_pick(
+            x, target, weight, ignore_index, axes, class_axes
+        )
+        if reduction == 0:
+            g = local_under(grad, Placement(mesh, (axes,)))
+        else:
+            g = local_under(grad, Placement.replicated(mesh, grad.ndim))
+        coef = -w_t * g
+        if reduction == 1:
+            coef = coef / _replicated(total, mesh)
+        coef = torch.where(mine, coef, torch.zeros_like(coef)).to(lx.dtype)
+        local = torch.zeros_like(lx)
+        if lx.shape[1]:
+            local.scatter_(1, idx.unsqueeze(1), coef.unsqueeze(1))
+        return wrap(local, x_req, x.shape)
     g_req = Placement(mesh, (axes,) if grad.ndim == 1 else ((),) * grad.ndim)
     local = func(
         local_under(grad, g_req) if isinstance(grad, torch.Tensor) else grad,
