@@ -32,6 +32,9 @@ LLAMA_1D = {
     "sdpa_mask_cache": ("sdpa", True, True),
     "eager_mask_cache": ("eager", True, True),
     "sdpa_nomask_nocache": ("sdpa", False, False),
+    # more tokens than the GQA k/v width: the counts must not depend on sizes (the k/v
+    # input gradients stay pending and merge with q's rather than gathering)
+    "sdpa_mask_cache_seq64": ("sdpa", True, True, 64),
 }
 LLAMA_2D = {
     "sdpa_mask_cache": ("sdpa", True, True),
