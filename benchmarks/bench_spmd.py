@@ -74,10 +74,7 @@ def _shardkit_step_fn(model, x, world):
 
     mesh = xs.Mesh(np.arange(world), (world,), ("model",))
     plan = {"fc1.weight": ("model", None), "fc1.bias": ("model",), "fc2.weight": (None, "model")}
-    for name, p in list(model.named_parameters()):
-        owner, _, leaf = name.rpartition(".")
-        spec = plan.get(name, (None,) * p.ndim)
-        setattr(model.get_submodule(owner), leaf, xs.mark_sharding(p, mesh, spec))
+    xs.shard_module(model, mesh, plan)
     sx = xs.mark_sharding(x, mesh, (None, None))
 
     def step():
