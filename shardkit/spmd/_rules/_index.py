@@ -117,7 +117,7 @@ def _local_reads(st, expanded, j, start, d, trial_index_spec, p, out_shape) -> b
         tuple(p.spec[:start]) + tuple(trial_index_spec) + ((),) * (len(out_shape) - start - nb)
     )
     out = Placement(mesh, out_spec)
-    for rank in range(mesh.size):
+    for rank in range(mesh.size()):
         coord = mesh.coord_of(rank)
         sl = out.box(out_shape, coord).slices()[start : start + nb]
         values = expanded[j][sl]

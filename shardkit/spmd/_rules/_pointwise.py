@@ -119,7 +119,7 @@ def _choose(func, tensors, sts, mesh, first):
     inplace = is_inplace(func)
     if inplace:
         if not is_st(first) or tuple(first.shape) != out_shape:
-            return Declined("an in-place op on a plain tensor, or one that broadcasts self")
+            return Declined("an in-place op that broadcasts self")
         candidates = [first._placement.spec]
     else:
         candidates = []
@@ -171,6 +171,8 @@ def pointwise_rule(func, args, kwargs):
     sts = [x for x in tensors if is_st(x)]
     mesh = sts[0]._placement.mesh
     first = args[0]
+    if not is_st(first) and isinstance(first, torch.Tensor) and is_inplace(func):
+        return _into_plain(func, flat, tree, sts, mesh)
     key = _plan_key(func, tensors, first)
     cached = _PLANS.get(key)
     if cached is None:
@@ -220,6 +222,24 @@ def pointwise_rule(func, args, kwargs):
     if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
         return type(out)(wrap(o, out_placement, out_shape) for o in out)
     return Declined(f"an output of type {type(out).__name__}")
+
+
+def _into_plain(func, flat, tree, sts, mesh):
+    """An in-place op on a plain (whole, replicated) tensor with sharded operands, such as
+    a plain optimizer state updated from a sharded gradient: the operands are gathered
+    once and the op runs on whole tensors. A gathered operand that needs no gradient
+    (a gradient, an optimizer state) keeps its whole copy, so the next op on it (Adam's
+    ``lerp_`` then ``addcmul_``) does not gather again."""
+    whole = {}
+    for st in sts:
+        target = Placement.replicated(mesh, st.ndim)
+        local = local_under(st, target)
+        if not st.requires_grad:
+            st._local_tensor, st._placement = local, target
+        whole[id(st)] = local
+    local_flat = [whole[id(x)] if is_st(x) else x for x in flat]
+    l_args, l_kwargs = _unflatten(local_flat, tree)
+    return func(*l_args, **l_kwargs)
 
 
 # -- factories and fills -------------------------------------------------------------
