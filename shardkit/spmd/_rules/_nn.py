@@ -261,7 +261,9 @@ def _nll_forward(func, args, kwargs):
         mesh, x_req, lx, mine, idx, w_t = _class_sharded_pick(
             x, target, weight, ignore_index, axes, class_axes
         )
-        picked = lx.gather(1, idx.unsqueeze(1)).squeeze(1) if lx.shape[1] else lx.new_zeros(w_t.shape)
+        picked = (
+            lx.gather(1, idx.unsqueeze(1)).squeeze(1) if lx.shape[1] else lx.new_zeros(w_t.shape)
+        )
         losses = torch.where(mine, -picked * w_t, torch.zeros_like(w_t))
         total = w_t.sum().to(lx.dtype)
         _comm.all_reduce(total, mesh, sorted(axes), "sum")
