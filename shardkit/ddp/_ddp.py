@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import runtime
 from ._reducer import Reducer
 from .comm_hooks import _comm
 
@@ -79,6 +80,7 @@ class DistributedDataParallel(nn.Module):
                 f"got {process_group!r}"
             )
         self.module = module
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self.process_group = _comm.resolve_group(process_group)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters

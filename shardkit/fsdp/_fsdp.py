@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .. import runtime
 from ._build import own_modules, prepare_buffers, shard_parameters
 from ._comm import group_info
 from ._options import FSDPOptions
@@ -112,6 +113,7 @@ class FullyShardedDataParallel(nn.Module):
             backward_prefetch=backward_prefetch,
         )
         self._opts = opts
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self._group, self.rank, self.world_size = group_info(process_group)
         if opts.auto_wrap_policy is not None:
             wrapper = opts.auto_wrapper_callable or (lambda m, **kw: type(self)(m, **kw))

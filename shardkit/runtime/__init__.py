@@ -1,5 +1,10 @@
-"""Process-group bootstrap and rank helpers (``import shardkit.runtime as xr``)."""
+"""Process-group bootstrap and rank helpers (``import shardkit.runtime as xr``).
 
+Importing this package registers the ``xla://`` rendezvous, so torch_xla's
+``dist.init_process_group("gloo", init_method="xla://")`` works unchanged.
+"""
+
+from . import _rendezvous
 from ._runtime import (
     default_backend,
     device,
@@ -12,8 +17,12 @@ from ._runtime import (
     use_spmd,
     world_size,
 )
+from ._teardown import at_teardown
+
+_rendezvous.register()
 
 __all__ = [
+    "at_teardown",
     "default_backend",
     "device",
     "global_ordinal",

@@ -42,6 +42,7 @@ class Mesh:
                 f"mesh_shape {mesh_shape} holds {int(np.prod(mesh_shape))} devices but "
                 f"{ids.size} device_ids were given"
             )
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
         world = runtime.world_size()
         if ids.size != world:
             raise ValueError(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import runtime
 from ._comm import Comm
 from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
@@ -117,6 +118,7 @@ def async_save(
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     wait_for_inflight()
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     future: Future = Future()
     future.set_running_or_notify_cancel()
     try:

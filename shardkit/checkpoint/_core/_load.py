@@ -9,6 +9,7 @@ from typing import Any
 
 import xxhash
 
+from ... import runtime
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._flatten import Flat, flatten
 from ._format import METADATA_FILE, Metadata
@@ -146,6 +147,7 @@ def load(
         CorruptCheckpointError: checksum mismatch, truncated or missing file, unknown version.
     """
     del process_group
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     reader = resolve_reader(checkpoint_id, storage_reader)
     load_with_metadata(state_dict, reader, _metadata(reader), planner=planner, strict=strict)
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ... import runtime
 from ...spmd.layout import Box
 from ._comm import Comm
 from ._errors import CheckpointError
@@ -357,6 +358,11 @@ def save(
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     wait_for_inflight()
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     comm = Comm(process_group)
     job = prepare(state_dict, planner, comm, writer.thread_count)
     return write_and_commit(job, writer, comm, live_data(planner))
+
+
+runtime.at_teardown(wait_for_inflight)  # exit: no async save may be writing at teardown
+runtime.at_teardown(join_cleanups)

@@ -16,6 +16,7 @@ from ._fqn import (
     under,
     unwrap,
 )
+from ... import runtime
 from ._options import StateDictOptions, resolve_options
 from ._values import check_compatible, export_value, import_value
 
@@ -100,6 +101,7 @@ def get_model_state_dict(
         options: see :class:`StateDictOptions`.
     """
     opts = resolve_options(options)
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     prefixes = submodule_prefixes(model, submodules)
     entries, _ = _live_entries(model)
     frozen = _frozen(model) if opts.ignore_frozen_params else set()
@@ -143,6 +145,7 @@ def set_model_state_dict(
         :class:`IncompatibleKeys` (empty lists unless ``options.strict`` is off).
     """
     opts = resolve_options(options)
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     if not isinstance(model_state_dict, Mapping):
         raise TypeError(
             f"model_state_dict must be a mapping of FQN -> value, got "

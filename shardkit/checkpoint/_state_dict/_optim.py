@@ -12,6 +12,7 @@ from torch import nn
 from ...spmd import ShardedTensor
 from ._fqn import param_fqns, under
 from ._model import submodule_prefixes
+from ... import runtime
 from ._options import StateDictOptions, resolve_options
 from ._values import export_value, import_value, is_sharded
 
@@ -117,6 +118,7 @@ def get_optimizer_state_dict(
     has not stepped yet gets its state allocated first (see :func:`prime_state`).
     """
     opts = resolve_options(options)
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     optims = as_optimizers(optimizers)
     prefixes = submodule_prefixes(model, submodules)
     fqns, owners = param_fqns(model)
@@ -194,6 +196,7 @@ def set_optimizer_state_dict(
     into several optimizers one call at a time.
     """
     resolve_options(options)
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     optims = as_optimizers(optimizers)
     if not isinstance(optim_state_dict, Mapping) or not {"state", "param_groups"} <= set(
         optim_state_dict
