@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from ... import runtime
 from ._fqn import (
     clean_key,
     param_fqns,
@@ -16,7 +17,6 @@ from ._fqn import (
     under,
     unwrap,
 )
-from ... import runtime
 from ._options import StateDictOptions, resolve_options
 from ._values import check_compatible, export_value, import_value
 

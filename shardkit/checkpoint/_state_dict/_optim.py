@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import runtime
 from ...spmd import ShardedTensor
 from ._fqn import param_fqns, under
 from ._model import submodule_prefixes
-from ... import runtime
 from ._options import StateDictOptions, resolve_options
 from ._values import export_value, import_value, is_sharded
 
