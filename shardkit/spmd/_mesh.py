@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -12,6 +13,16 @@ from .. import runtime
 from .layout import mesh_coords
 
 __all__ = ["Mesh"]
+
+_meshes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Mesh
+
+
+@runtime.at_teardown
+def _drop_groups() -> None:
+    """At exit, forget every mesh's axis groups: a group Python still references keeps its
+    gloo threads running into interpreter finalization, where they abort the process."""
+    for mesh in list(_meshes.values()):
+        mesh._groups.clear()
 
 
 class Mesh:
@@ -73,6 +84,7 @@ class Mesh:
             int(r): tuple(int(c) for c in idx) for idx, r in np.ndenumerate(self.device_ids)
         }
         self._hash = hash((self.axis_names, self.mesh_shape, self.device_ids.tobytes()))
+        _meshes[id(self)] = self
 
     # -- geometry --------------------------------------------------------
     def shape(self) -> OrderedDict[str, int]:
@@ -154,6 +166,10 @@ class Mesh:
         state = dict(self.__dict__)
         state["_groups"] = {}
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _meshes[id(self)] = self
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))

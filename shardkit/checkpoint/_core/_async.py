@@ -53,6 +53,8 @@ class _StagingPool:
 
 
 _pool = _StagingPool()
+# exit: drop our references so the private groups' gloo threads stop before finalization
+runtime.at_teardown(_groups.clear)
 
 
 def _private_group(process_group: Any) -> Any:
