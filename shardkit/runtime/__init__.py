@@ -17,7 +17,7 @@ from ._runtime import (
     use_spmd,
     world_size,
 )
-from ._teardown import at_teardown
+from ._teardown import at_teardown, drain_at_exit
 
 _rendezvous.register()
 
@@ -25,6 +25,7 @@ __all__ = [
     "at_teardown",
     "default_backend",
     "device",
+    "drain_at_exit",
     "global_ordinal",
     "global_runtime_device_count",
     "init",

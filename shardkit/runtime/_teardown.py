@@ -1,17 +1,22 @@
-"""Tear down, at interpreter exit, the process group shardkit created.
+"""Finish pending work at interpreter exit, and tear down the group shardkit created.
 
-Python joins non-daemon threads (an async save's writer, a background cleanup) before
-it runs atexit handlers, and then this handler runs, while the interpreter and every
-process group are still alive:
+Two phases, both while the interpreter and every process group are still alive:
 
-1. the drain hooks other layers registered (wait for in-flight async saves, their
-   background deletions, a CheckpointManager's queue), so no work is pending;
-2. a barrier on the default group, so no rank (rank 0 hosts the rendezvous store)
-   goes away while another still talks to it;
-3. ``destroy_process_group()``, which destroys every group: the default one, a Mesh's
-   per-axis groups and the async-save group. Left alive, their gloo worker threads
-   still hold pending work when the interpreter finalizes, and the process aborts with
-   ``terminate called without an active exception``.
+1. **drain** (always, a world of one included): the hooks registered with
+   :func:`drain_at_exit` (wait for an in-flight async save and its background
+   deletions) run in ``threading``'s own exit phase, before Python stops the
+   ``concurrent.futures`` workers and joins non-daemon threads. Later, an async save
+   still writing would fail with "cannot schedule new futures after interpreter
+   shutdown" and its checkpoint would silently never commit.
+2. **teardown** (atexit, only for a default group shardkit created): the hooks
+   registered with :func:`at_teardown` drop shardkit's own references to process groups
+   (a Mesh's per-axis groups, the async save's private group); then a barrier on the
+   default group, so no rank goes away while another still talks to it; then
+   ``destroy_process_group()``. A group Python still references keeps its gloo worker
+   threads after ``destroy_process_group()``; a worker that releases a finished
+   collective (whose tensors Python created) while the interpreter finalizes needs the
+   GIL, is torn down inside C++ and aborts the process with ``terminate called without
+   an active exception``.
 
 A rank that dies from an uncaught exception skips the barrier (the others may be
 inside a collective it will never join); it exits non-zero and the launcher stops the
@@ -21,6 +26,7 @@ rest.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  (registers its exit callback before ours)
 import sys
 import threading
 import warnings
@@ -29,6 +35,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 _hooks: list[Callable[[], None]] = []
+_drains: list[Callable[[], None]] = []
 _owned = False
 _failed = False
 _registered = False
@@ -43,6 +50,34 @@ def at_teardown(fn: Callable[[], None]) -> Callable[[], None]:
     if fn not in _hooks:
         _hooks.append(fn)
     return fn
+
+
+def drain_at_exit(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn`` at interpreter exit while threads and thread pools still work.
+
+    For waiting on background work (an async save) that must finish before the process
+    ends, with or without a process group. Returns ``fn``.
+    """
+    if fn not in _drains:
+        _drains.append(fn)
+    return fn
+
+
+def _run(hooks: list[Callable[[], None]]) -> None:
+    for hook in list(hooks):
+        try:
+            hook()
+        except Exception as exc:  # keep going: a hook's failure is reported
+            warnings.warn(f"shardkit exit hook {hook!r} failed: {exc}", stacklevel=1)
+
+
+def _drain() -> None:
+    _run(_drains)
+
+
+# threading runs these exit callbacks in reverse order of registration, before it joins
+# non-daemon threads: registered after concurrent.futures' own, ours runs first
+threading._register_atexit(_drain)
 
 
 def own_default_group() -> None:
@@ -73,11 +108,7 @@ def teardown() -> None:
     if not owns_default_group():
         _owned = False
         return
-    for hook in list(_hooks):
-        try:
-            hook()
-        except Exception as exc:  # keep tearing down: a hook's failure is reported
-            warnings.warn(f"shardkit teardown hook {hook!r} failed: {exc}", stacklevel=1)
+    _run(_hooks)
     alive = [t.name for t in threading.enumerate() if t.name.startswith("shardkit-")]
     assert not alive, f"shardkit threads still running at teardown: {alive}"
     if not _failed:

@@ -47,7 +47,7 @@ def test_manager_example_resumes_same_step_on_every_rank(tmp_path):
     example, ckpt = EXAMPLES / "train_with_manager.py", str(tmp_path / "run")
     first = torchrun(example, 2, "--ckpt", ckpt, "--steps", "7", "--save-interval", "3")
     assert first.returncode == 0, first.stdout[-4000:]
-    assert "done: steps [3, 6] on disk" in first.stdout, first.stdout[-4000:]
+    assert "done: steps [0, 3, 6] on disk" in first.stdout, first.stdout[-4000:]
     second = torchrun(example, 2, "--ckpt", ckpt, "--steps", "9", "--save-interval", "3")
     assert second.returncode == 0, second.stdout[-4000:]
     resumed = re.findall(
@@ -99,3 +99,16 @@ def test_spmd_save_async_save_exit_cleanly_run_after_run(tmp_path):
         assert (tmp_path / str(i) / "async" / "metadata.json").is_file()
         shards = re.findall(r"rank (\d) of 3: shard \((\d), 4\)", run.stdout)
         assert sorted(shards) == [("0", "2"), ("1", "2"), ("2", "2")], run.stdout[-3000:]
+
+
+def test_async_save_in_flight_at_exit_commits_in_a_world_of_one(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(HERE / "spmd_save_exit.py"), str(tmp_path)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rank 0 of 1: shard (6, 4)" in run.stdout
+    assert (tmp_path / "async" / "metadata.json").is_file()

@@ -364,5 +364,6 @@ def save(
     return write_and_commit(job, writer, comm, live_data(planner))
 
 
-runtime.at_teardown(wait_for_inflight)  # exit: no async save may be writing at teardown
-runtime.at_teardown(join_cleanups)
+# exit: an async save in flight finishes (and commits) before the process ends
+runtime.drain_at_exit(wait_for_inflight)
+runtime.drain_at_exit(join_cleanups)
