@@ -111,7 +111,7 @@ def init(backend: str | None = None, *, timeout: datetime.timedelta = _DEFAULT_T
     dist.init_process_group(
         backend=backend, init_method="env://", rank=rank, world_size=size, timeout=timeout
     )
-    _teardown.own_default_group()
+    _teardown.own_default_group(dist.group.WORLD)
 
 
 def is_initialized() -> bool:

@@ -30,13 +30,14 @@ import concurrent.futures.thread  # noqa: F401  (registers its exit callback bef
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 _hooks: list[Callable[[], None]] = []
 _drains: list[Callable[[], None]] = []
-_owned = False
+_owned: Callable[[], object] | None = None  # -> the default group shardkit created
 _failed = False
 _registered = False
 
@@ -80,10 +81,15 @@ def _drain() -> None:
 threading._register_atexit(_drain)
 
 
-def own_default_group() -> None:
-    """Mark the default process group as created by shardkit: tear it down at exit."""
+def own_default_group(group: object = None) -> None:
+    """Mark ``group`` (default: the default group about to be created) as shardkit's.
+
+    Held through a weak reference: a strong one would keep the group's threads alive
+    after a ``destroy_process_group()`` by the user, and a group the user creates later
+    stays theirs.
+    """
     global _owned, _registered
-    _owned = True
+    _owned = weakref.ref(group) if group is not None else (lambda: dist.group.WORLD)
     if not _registered:
         _registered = True
         previous = sys.excepthook
@@ -99,14 +105,16 @@ def own_default_group() -> None:
 
 def owns_default_group() -> bool:
     """Whether shardkit created the current default process group."""
-    return _owned and dist.is_available() and dist.is_initialized()
+    if _owned is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    return _owned() is dist.group.WORLD
 
 
 def teardown() -> None:
-    """Drain pending work, wait for every rank, destroy shardkit's process groups."""
+    """Release shardkit's group references, wait for every rank, destroy its groups."""
     global _owned
     if not owns_default_group():
-        _owned = False
+        _owned = None
         return
     _run(_hooks)
     alive = [t.name for t in threading.enumerate() if t.name.startswith("shardkit-")]
@@ -114,4 +122,4 @@ def teardown() -> None:
     if not _failed:
         dist.barrier()
     dist.destroy_process_group()
-    _owned = False
+    _owned = None

@@ -122,3 +122,47 @@ if __name__ == "__main__":  # python tests/e2e/test_docs_snippets.py [DOC.md ...
             if not is_fragment:
                 for failure in run_block(code, f"{name}:{line}", Path(tempfile.mkdtemp())):
                     print(failure, "\n")
+
+
+# Each example, with small arguments ({d}: a fresh directory), both as ``python`` and under
+# torchrun; train_with_manager.py runs both ways in test_manager_example / test_torchrun.
+EXAMPLE_RUNS = {
+    "ddp_digits.py": [["--epochs", "1"]],
+    "fsdp_digits.py": [["--epochs", "1", "--out", "{d}/out"]],
+    "spmd_fsdp.py": [["--steps", "2"]],
+    "spmd_tensor_parallel.py": [["--steps", "2"]],
+    "checkpoint_reshard.py": [["save", "{d}/ckpt"], ["load", "{d}/ckpt"]],
+}
+
+
+def test_every_example_has_a_run():
+    assert sorted(EXAMPLE_RUNS) == sorted(
+        p.name for p in EXAMPLES if p.name != "train_with_manager.py"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLE_RUNS))
+def test_examples_run_both_ways(name, tmp_path):
+    script = ROOT / "examples" / name
+
+    def both(how: str) -> list[str]:
+        d = tmp_path / how
+        d.mkdir()
+        out = []
+        for args in EXAMPLE_RUNS[name]:
+            args = [a.format(d=d) for a in args]
+            cmd = (
+                [sys.executable, str(script), *args]
+                if how == "python"
+                else torchrun_cmd(script, 2, *args)
+            )
+            result = _run(cmd, d)
+            if result.returncode != 0:
+                out.append(
+                    f"{name} {args} as {how}: exit {result.returncode}\n{result.stdout[-3000:]}"
+                )
+        return out
+
+    with ThreadPoolExecutor(2) as pool:
+        failures = [f for fs in pool.map(both, ["python", "torchrun"]) for f in fs]
+    assert not failures, "\n\n".join(failures)
