@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  (registers its exit callback before ours)
+import ctypes
 import sys
 import threading
 import warnings
@@ -120,6 +121,25 @@ def teardown() -> None:
     alive = [t.name for t in threading.enumerate() if t.name.startswith("shardkit-")]
     assert not alive, f"shardkit threads still running at teardown: {alive}"
     if not _failed:
-        dist.barrier()
+        _final_barrier()
     dist.destroy_process_group()
     _owned = None
+
+
+def _final_barrier() -> None:
+    """A barrier whose ``Work`` is never freed, so no gloo thread frees it at finalization.
+
+    Every gloo ``Work`` enqueued from Python carries the caller's thread-local state, which
+    holds Python objects; the worker thread that ran it frees it just after waking the
+    caller, and that needs the GIL. Freed while the interpreter finalizes, it aborts the
+    process (``~AsyncBarrierWork`` -> ``~ThreadLocalState`` -> ``take_gil`` ->
+    ``pthread_exit``). Holding a Python reference from before the barrier is enqueued
+    means the worker never drops the last one. The barrier also holds every earlier work
+    of the group that was still in flight when it was enqueued (gloo frees a finished
+    work under the queue lock, before the next enqueue can look), so none of those is
+    freed on a worker thread after this returns either. One small object stays allocated
+    until the process ends.
+    """
+    work = dist.barrier(async_op=True)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+    work.wait()

@@ -6,8 +6,9 @@ process must exit 0, and the block must print something (what it prints shows th
 it ran in: shard sizes, a world size, equal gradients). A block preceded by
 ``<!-- fragment -->`` (a piece of a larger program, e.g. a training-loop excerpt) is only
 compiled. A block preceded by ``<!-- continued -->`` goes on with the example of the blocks
-just before it (its prose says so): it runs appended to them, as one script. Examples under
-``examples/`` must import without starting to train.
+just before it (its prose says so): it runs appended to them, as one script, and that
+script (the longest of the chain) stands for the chain's earlier blocks. Examples under
+``examples/`` must import without starting to train, and run both ways.
 
 Blocks run two at a time (the suite's budget is two cores); one doc file is one test.
 """
@@ -43,6 +44,18 @@ def snippets(path: Path) -> list[tuple[bool, int, str]]:
     return out
 
 
+def scripts_to_run(path: Path) -> list[tuple[str, str]]:
+    """``(script, where)`` of each chain of runnable blocks (a block alone is a chain)."""
+    runnable = [(line, code) for frag, line, code in snippets(path) if not frag]
+    chains = []
+    for i, (line, code) in enumerate(runnable):
+        continued = i + 1 < len(runnable) and runnable[i + 1][1].startswith(code + "\n")
+        if not continued:
+            first = next(ln for ln, c in runnable if code.startswith(c))
+            chains.append((code, f"{path.name}:{first}" + (f"-{line}" if first != line else "")))
+    return chains
+
+
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         cmd,
@@ -76,13 +89,10 @@ def run_block(code: str, where: str, tmp: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", [p for p in DOCS if snippets(p)], ids=lambda p: p.name)
 def test_doc_blocks_run_alone_both_ways(path, tmp_path):
-    runnable = []
     for is_fragment, line, code in snippets(path):
-        where = f"{path.name}:{line}"
         if is_fragment:
-            compile(code, where, "exec")
-        else:
-            runnable.append((code, where))
+            compile(code, f"{path.name}:{line}", "exec")
+    runnable = scripts_to_run(path)
     dirs = [tmp_path / str(i) for i in range(len(runnable))]
     for d in dirs:
         d.mkdir()
@@ -118,10 +128,9 @@ if __name__ == "__main__":  # python tests/e2e/test_docs_snippets.py [DOC.md ...
 
     for name in sys.argv[1:] or [p.name for p in DOCS]:
         path = next(p for p in DOCS if p.name == name)
-        for is_fragment, line, code in snippets(path):
-            if not is_fragment:
-                for failure in run_block(code, f"{name}:{line}", Path(tempfile.mkdtemp())):
-                    print(failure, "\n")
+        for code, where in scripts_to_run(path):
+            for failure in run_block(code, where, Path(tempfile.mkdtemp())):
+                print(failure, "\n")
 
 
 # Each example, with small arguments ({d}: a fresh directory), both as ``python`` and under
