@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import runtime
 from ._comm import Comm
 from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
@@ -54,6 +55,8 @@ class _StagingPool:
 
 
 _pool = _StagingPool()
+# exit: drop our references so the private groups' gloo threads stop before finalization
+runtime.at_teardown(_groups.clear)
 
 
 def _private_group(process_group: Any) -> Any:
@@ -132,6 +135,7 @@ def async_save(
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     base = base_reader(writer, incremental_base)
     wait_for_inflight()
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     future: Future = Future()
     future.set_running_or_notify_cancel()
     try:

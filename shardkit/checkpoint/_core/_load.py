@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ... import runtime
 from ...spmd.layout import Box
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._flatten import Flat, flatten
@@ -173,6 +174,7 @@ def load(
         CorruptCheckpointError: checksum mismatch, truncated or missing file, unknown version.
     """
     del process_group, no_dist
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     reader = resolve_reader(checkpoint_id, storage_reader)
     load_with_metadata(state_dict, reader, _metadata(reader), planner=planner, strict=strict)
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ... import runtime
 from ...spmd.layout import Box
 from ._comm import Comm
 from ._errors import CheckpointError, ReplicaMismatchWarning
@@ -528,6 +529,8 @@ def save(
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     wait_for_inflight()
+    if not no_dist:
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
     comm = Comm(process_group, local=check_no_dist(no_dist, use_collectives))
     base = base_reader(writer, incremental_base)
     job = prepare(state_dict, planner, comm, writer.thread_count)
@@ -542,3 +545,8 @@ def base_reader(writer: StorageWriter, incremental_base: Any) -> Any:
     from ._incremental import check_sibling
 
     return check_sibling(writer, incremental_base)
+
+
+# exit: an async save in flight finishes (and commits) before the process ends
+runtime.drain_at_exit(wait_for_inflight)
+runtime.drain_at_exit(join_cleanups)
