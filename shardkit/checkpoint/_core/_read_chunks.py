@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -59,10 +60,14 @@ def _scratch_bytes(nbytes: int) -> torch.Tensor:
 
 
 class LocalFiles:
-    """Private memory maps of the local data files one load touches, made once each.
+    """Read-only shared memory maps of the local data files one load touches, made once
+    each.
 
-    The files' sizes were checked against the metadata just before; a file truncated
-    while it is mapped would fault, as with safetensors' own mmap loading.
+    Read-only and shared, so a map costs page cache only: a private writable map
+    (``ACCESS_COPY``) is charged in full against committed memory and fails for a file
+    larger than RAM, or far earlier under strict overcommit. Mapped bytes are only ever a
+    copy source. The files' sizes were checked against the metadata just before; a file
+    truncated while it is mapped would fault, as with safetensors' own mmap loading.
     """
 
     def __init__(self, reader: StorageReader) -> None:
@@ -82,7 +87,7 @@ class LocalFiles:
         with self._lock:
             if name not in self._maps:
                 with open(self.reader.join(name), "rb") as f:
-                    self._maps[name] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+                    self._maps[name] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
             return self._maps[name]
 
     def close(self) -> None:
@@ -119,6 +124,14 @@ def _populate(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
         pass  # older kernels: the pages fault in as they are read
 
 
+def _read_only_bytes(raw: memoryview) -> torch.Tensor:
+    """A uint8 tensor over read-only mapped bytes: torch warns that writing to it would be
+    undefined, and nothing does (it is only a copy source)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(raw, dtype=torch.uint8)
+
+
 def _mapped_chunk(files: LocalFiles, item: ReadItem, dtype: torch.dtype, used: range):
     """The chunk's bytes in the file's memory map, and the same bytes as a tensor; the
     ``used`` byte range of the chunk (the rows this item reads) is faulted in up front."""
@@ -128,11 +141,7 @@ def _mapped_chunk(files: LocalFiles, item: ReadItem, dtype: torch.dtype, used: r
     if len(raw) != chunk.nbytes:
         raise CorruptCheckpointError(f"cannot read {chunk_label(item.key, chunk)}")
     _populate(mapped.obj, chunk.offset + used.start, len(used))
-    whole = (
-        torch.frombuffer(raw, dtype=torch.uint8)
-        if chunk.nbytes
-        else torch.empty(0, dtype=torch.uint8)
-    )
+    whole = _read_only_bytes(raw) if chunk.nbytes else torch.empty(0, dtype=torch.uint8)
     return raw, whole.view(dtype).reshape(chunk.box.sizes)
 
 
