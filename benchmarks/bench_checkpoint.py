@@ -7,6 +7,11 @@ tensors; fsync on for both. Prints one JSON line of medians and shardkit/torch r
     .venv/bin/python benchmarks/bench_checkpoint.py --quick    # 64 MiB smoke run
     .venv/bin/python benchmarks/bench_checkpoint.py --reshard-only --repeats 7
     .venv/bin/python benchmarks/bench_checkpoint.py --save-only --repeats 9
+    .venv/bin/python benchmarks/bench_checkpoint.py --checks-only --repeats 5
+
+``--checks-only`` isolates the cost of the reader's safety checks (issue 15: metadata
+checksum, bounds, chunk tiling, file names, file sizes and safetensors headers) and of the
+writer's metadata seal, as a share of a whole load and save of the same state.
 """
 
 from __future__ import annotations
@@ -196,6 +201,49 @@ def _save_phase(root: str, total_mib: int, repeats: int) -> dict:
     return {"shardkit": sk, "torch": th}
 
 
+def _checks_phase(root: str, total_mib: int, repeats: int) -> dict:
+    """Save and load times, and the time of the checks alone on the same checkpoint: what
+    ``load`` runs before reading data (parse + validate the metadata, check every file's
+    size and header) and what ``save`` adds (sealing the metadata with its checksum)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardkit.checkpoint as dcp
+    from shardkit.checkpoint._core._format import Metadata
+    from shardkit.checkpoint._core._save import join_cleanups
+    from shardkit.checkpoint._core._validate import check_files, seal_metadata
+
+    init_device_mesh("cpu", (2,))
+    sd = _state(total_mib, dist.get_rank())
+    out: dict = {k: [] for k in ("save", "load", "torch_save", "torch_load")}
+    out.update({"load_checks": [], "save_checks": []})
+    for _ in range(repeats):
+        out["save"].append(_timed(lambda: dcp.save(sd, checkpoint_id=f"{root}/sk"), dist.barrier))
+        join_cleanups()
+        out["torch_save"].append(
+            _timed(lambda: tdcp.save(sd, checkpoint_id=f"{root}/th"), dist.barrier)
+        )
+    for _ in range(repeats):
+        out["load"].append(_timed(lambda: dcp.load(sd, checkpoint_id=f"{root}/sk"), dist.barrier))
+        out["torch_load"].append(
+            _timed(lambda: tdcp.load(sd, checkpoint_id=f"{root}/th"), dist.barrier)
+        )
+    reader = dcp.FileSystemReader(f"{root}/sk")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        md = Metadata.from_json(reader.read_metadata(), "metadata.json")
+        check_files(reader, md, set(md.files), {})  # every file: an upper bound per rank
+        out["load_checks"].append(time.perf_counter() - t0)
+        md.version = 1  # the unsealed body, then the seal alone
+        body = md.to_json()
+        t0 = time.perf_counter()
+        seal_metadata(body)
+        out["save_checks"].append(time.perf_counter() - t0)
+    out["metadata_bytes"] = len(body)
+    return out
+
+
 def _reshard_save(root: str, total_mib: int, world: int) -> None:
     import torch
 
@@ -245,9 +293,32 @@ def main() -> None:
         "--reshard-only", action="store_true", help="only the 4->2 vs same-layout load figure"
     )
     parser.add_argument("--save-only", action="store_true", help="only the save-time figure")
+    parser.add_argument(
+        "--checks-only", action="store_true", help="only the safety checks' share of save/load"
+    )
     args = parser.parse_args()
     mib, repeats = (64, 1) if args.quick else (args.mib, args.repeats)
     root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
+    if args.checks_only:
+        try:
+            res = run_ranks(_checks_phase, 2, root, mib, repeats, timeout=3600)[0]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        med = {k: statistics.median(v) for k, v in res.items() if isinstance(v, list)}
+        spread = {
+            k: [round(min(v), 6), round(max(v), 6)] for k, v in res.items() if isinstance(v, list)
+        }
+        print(json.dumps({"bench": "checkpoint-checks", "state_mib": mib, "repeats": repeats,
+                          "loadavg_1m_at_end": os.getloadavg()[0],
+                          "metadata_bytes": res["metadata_bytes"], "median_s": med,
+                          "min_max_s": spread,
+                          "ratios": {"load_checks_vs_load": med["load_checks"] / med["load"],
+                                     "save_checks_vs_save": med["save_checks"] / med["save"],
+                                     "save": med["save"] / med["torch_save"],
+                                     "load": med["load"] / med["torch_load"]},
+                          "targets": {"load_checks_vs_load": 0.03,
+                                      "save_checks_vs_save": 0.03}}))  # fmt: skip
+        return
     if args.save_only:
         try:
             res = run_ranks(_save_phase, 2, root, mib, repeats, timeout=3600)[0]

@@ -1,8 +1,9 @@
 """``shardkit ckpt``: ls, inspect, verify, convert and diff checkpoints.
 
-Every PATH is a local path or an fsspec URL. Reads go through the public
-``shardkit.checkpoint`` API (``read_metadata``, ``load``) except ``verify``, which re-hashes
-the stored bytes itself, block by block, exactly as docs/checkpoint-format.md specifies.
+Every PATH is a local path or an fsspec URL. Reads go through ``shardkit.checkpoint``
+(``read_metadata``, ``load``, ``FileSystemReader``, so every read is confined to the
+checkpoint directory); ``verify`` re-hashes the stored bytes itself, block by block, exactly
+as docs/checkpoint-format.md specifies.
 """
 
 from __future__ import annotations
@@ -60,10 +61,22 @@ def add_subcommands(parser: argparse.ArgumentParser, add_debug: Callable) -> Non
     p = command("diff", "compare two checkpoints key by key", cmd_diff)
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
-    p.add_argument("--atol", type=float, default=0.0, help="ignore differences up to this (0)")
+    p.add_argument(
+        "--atol", type=_atol, default=0.0, help="ignore differences up to this (>= 0; 0)"
+    )
 
 
 # -- helpers ----------------------------------------------------------------------------
+def _atol(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
+
+
 def fs_and_path(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec file system and its path for a local path or URL."""
     fs, root = fsspec.core.url_to_fs(os.fspath(path))
@@ -82,6 +95,12 @@ def checkpoint_metadata(path: str):
     """The parsed metadata of the shardkit checkpoint at ``path``, with a clear error."""
     from ..checkpoint import read_metadata
 
+    require_checkpoint_dir(path)
+    return read_metadata(path)
+
+
+def require_checkpoint_dir(path: str) -> None:
+    """CliError unless ``path`` is a directory with a metadata.json (which is not read)."""
     fs, root = require_exists(path)
     if not fs.isdir(root):
         raise CliError(f"{path} is a file, not a shardkit checkpoint directory")
@@ -99,7 +118,6 @@ def checkpoint_metadata(path: str):
                 f"import it with: shardkit ckpt convert {path} DST --from torch-dcp --to shardkit"
             )
         raise CliError(f"{path} is not a shardkit checkpoint: it has no {METADATA_FILE}")
-    return read_metadata(path)
 
 
 def _step_dirs(fs, root: str) -> dict[int, str]:
@@ -134,8 +152,6 @@ def _table(rows: list[list[str]], right: set[int]) -> str:
 # -- ls -----------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
     """Steps under a CheckpointManager directory, with creation times and sizes."""
-    from ..checkpoint import is_committed, read_metadata
-
     fs, root = require_exists(args.path)
     if fs.exists(f"{root}/{METADATA_FILE}"):
         raise CliError(
@@ -148,23 +164,48 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{args.path} holds no step_* checkpoints (not a CheckpointManager directory?)"
         )
     rows = [["STEP", "CREATED", "SIZE", "FILES", "STATUS"]]
+    damaged = []
     for step in sorted(steps):
         url = f"{args.path.rstrip('/')}/{steps[step]}"
-        if is_committed(url):
-            md = read_metadata(url)
-            rows.append(
-                [
-                    str(step),
-                    md.created,
-                    human_bytes(sum(md.files.values())),
-                    str(len(md.files)),
-                    "committed",
-                ]
-            )
+        status, md, why = step_status(url)
+        if md is not None:
+            size, files = human_bytes(sum(md.files.values())), str(len(md.files))
+            rows.append([str(step), md.created, size, files, status])
         else:
-            rows.append([str(step), "-", "-", "-", "incomplete (never loaded)"])
+            rows.append([str(step), "-", "-", "-", status])
+        if why and status != "incomplete (never committed)":
+            damaged.append(f"step {step}: {why}")
     print(_table(rows, right={0, 2, 3}))
+    for line in damaged:
+        print(f"WARNING {line}", file=sys.stderr)
     return 0
+
+
+def step_status(url: str):
+    """``(status, metadata or None, why)`` of one checkpoint directory, without reading
+    tensor bytes: ``committed``, ``DAMAGED`` (committed, but its metadata or a file is
+    broken: truncated, missing, replaced, a bad header) or ``incomplete (never committed)``
+    (no metadata.json)."""
+    from ..checkpoint import CorruptCheckpointError, FileSystemReader
+    from ..checkpoint._core._format import Metadata
+    from ..checkpoint._core._validate import check_files
+
+    reader = FileSystemReader(url)
+    try:
+        raw = reader.read_metadata()
+    except (FileNotFoundError, NotADirectoryError):
+        return "incomplete (never committed)", None, "no metadata.json"
+    except CorruptCheckpointError as exc:
+        return "DAMAGED", None, str(exc)
+    try:
+        md = Metadata.from_json(raw, f"{url}/{METADATA_FILE}")
+    except CorruptCheckpointError as exc:
+        return "DAMAGED", None, str(exc)
+    try:
+        check_files(reader, md, set(md.files), {})
+    except CorruptCheckpointError as exc:
+        return "DAMAGED", md, str(exc)
+    return "committed", md, ""
 
 
 # -- inspect ------------------------------------------------------------------------------
@@ -198,7 +239,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     info = describe(args.path)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
-        return 0
+        return _warn_if_damaged(args.path)
     print(f"checkpoint     {info['path']}")
     print(f"format version {info['format_version']}")
     print(f"created        {info['created']}")
@@ -223,6 +264,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"{key} = {json.dumps(value, default=str)}")
     for key in info["pickled_objects"]:
         print(f"{key} = <pickled object: not loaded>")
+    return _warn_if_damaged(args.path)
+
+
+def _warn_if_damaged(path: str) -> int:
+    """Exit status 3 with a warning when a file of the checkpoint is missing, truncated or
+    has a damaged header (checksums of the data are ``verify``'s job)."""
+    from ._main import EXIT_DAMAGED
+
+    status, _, why = step_status(path)
+    if status == "DAMAGED":
+        print(f"shardkit: WARNING: this checkpoint is damaged: {why}", file=sys.stderr)
+        return EXIT_DAMAGED
     return 0
 
 
@@ -243,12 +296,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     steps = {} if fs.exists(f"{root}/{METADATA_FILE}") else _step_dirs(fs, root)
     if not steps:
         return _verify_one(args.path, args.no_progress)
-    from ..checkpoint import is_committed
-
     bad = []
     for step in sorted(steps):
         url = f"{args.path.rstrip('/')}/{steps[step]}"
-        if not is_committed(url):
+        if not fs.exists(f"{root}/{steps[step]}/{METADATA_FILE}"):
             print(f"skipped {url}: incomplete (never committed, never loaded)")
             continue
         try:
@@ -265,18 +316,25 @@ def _verify_one(path: str, no_progress: bool) -> int:
     import xxhash
     from tqdm import tqdm
 
-    md = checkpoint_metadata(path)
-    fs, root = fs_and_path(path)
+    from ..checkpoint import CorruptCheckpointError, FileSystemReader
+    from ..checkpoint._core._format import Metadata
+    from ..checkpoint._core._validate import check_files
+
+    require_checkpoint_dir(path)  # a clear error when it is no checkpoint at all
+    reader = FileSystemReader(path)
+    try:  # the metadata's own checksum, bounds and structure
+        md = Metadata.from_json(reader.read_metadata(), f"{path}/{METADATA_FILE}")
+    except CorruptCheckpointError as exc:
+        print(f"FAILED {exc}", file=sys.stderr)
+        raise VerifyFailed(str(exc)) from None
     failures: list[str] = []
-    for name, size in sorted(md.files.items()):
-        full = f"{root}/{name}"
-        if not fs.exists(full):
-            failures.append(f"file {name}: missing")
-        elif fs.size(full) != size:
-            failures.append(
-                f"file {name}: {fs.size(full)} bytes, metadata says {size} (truncated or replaced)"
-            )
-    bad_files = {f.split(":")[0].removeprefix("file ") for f in failures}
+    bad_files = set()
+    for name in sorted(md.files):
+        try:  # exists, regular file, recorded size, safetensors header
+            check_files(reader, md, {name}, {})
+        except CorruptCheckpointError as exc:
+            failures.append(str(exc))
+            bad_files.add(name)
     total = sum(c.nbytes for t in md.tensors.values() for c in t.chunks)
     total += sum(o.nbytes for o in md.objects.values())
     bar = tqdm(
@@ -288,31 +346,34 @@ def _verify_one(path: str, no_progress: bool) -> int:
         disable=no_progress,
         mininterval=0.2,
     )
-    handles: dict[str, object] = {}
+    buf = memoryview(bytearray(_VERIFY_PIECE))
+
+    def digest_of(name: str, offset: int, length: int) -> str:
+        digest = xxhash.xxh3_64()
+        for start in range(0, length, _VERIFY_PIECE):
+            view = buf[: min(_VERIFY_PIECE, length - start)]
+            reader.read_into(name, offset + start, view)
+            digest.update(view)
+            bar.update(len(view))
+        return digest.hexdigest()
+
     try:
         for key in sorted(md.tensors):
             t = md.tensors[key]
             for chunk in t.chunks:
-                label = f"file {chunk.file}, key {key!r}, chunk offsets={list(chunk.box.offsets)} sizes={list(chunk.box.sizes)}"
-                if chunk.file in bad_files:
-                    failures.append(f"{label}: unreadable (file missing or wrong size)")
-                    bar.update(chunk.nbytes)
-                    continue
-                f = handles.get(chunk.file) or handles.setdefault(
-                    chunk.file, fs.open(f"{root}/{chunk.file}", "rb")
+                label = (
+                    f"file {chunk.file}, key {key!r}, chunk offsets={list(chunk.box.offsets)} "
+                    f"sizes={list(chunk.box.sizes)}"
                 )
-                blocks = _blocks(chunk, t.dtype.itemsize)
-                if len(blocks) != len(chunk.checksums):
-                    failures.append(
-                        f"{label}: {len(chunk.checksums)} checksums for {len(blocks)} blocks"
-                    )
+                if chunk.file in bad_files:
+                    failures.append(f"{label}: unreadable (file missing, wrong size or header)")
                     bar.update(chunk.nbytes)
                     continue
-                for i, ((start, length), expected) in enumerate(zip(blocks, chunk.checksums)):
-                    f.seek(chunk.offset + start)
-                    if xxhash.xxh3_64_hexdigest(f.read(length)) != expected:
+                for i, ((start, length), expected) in enumerate(
+                    zip(_blocks(chunk, t.dtype.itemsize), chunk.checksums)
+                ):
+                    if digest_of(chunk.file, chunk.offset + start, length) != expected:
                         failures.append(f"{label}, block {i}: checksum mismatch")
-                    bar.update(length)
         for key in sorted(md.objects):
             o = md.objects[key]
             if o.file in bad_files:
@@ -320,17 +381,10 @@ def _verify_one(path: str, no_progress: bool) -> int:
                     f"file {o.file}, key {key!r}: unreadable (file missing or wrong size)"
                 )
                 continue
-            with fs.open(f"{root}/{o.file}", "rb") as f:
-                f.seek(o.offset)
-                if xxhash.xxh3_64_hexdigest(f.read(o.nbytes)) != o.checksum:
-                    failures.append(
-                        f"file {o.file}, key {key!r} (pickled object): checksum mismatch"
-                    )
-            bar.update(o.nbytes)
+            if digest_of(o.file, o.offset, o.nbytes) != o.checksum:
+                failures.append(f"file {o.file}, key {key!r} (pickled object): checksum mismatch")
     finally:
         bar.close()
-        for f in handles.values():
-            f.close()
     if failures:
         for line in failures:
             print(f"FAILED {line}", file=sys.stderr)
@@ -339,3 +393,7 @@ def _verify_one(path: str, no_progress: bool) -> int:
     chunks = sum(len(t.chunks) for t in md.tensors.values())
     print(f"OK {path}: {len(md.tensors)} tensors, {chunks} chunks, {human_bytes(total)} verified")
     return 0
+
+
+#: Bytes read and hashed at a time: verify's memory stays at this, whatever the blocks.
+_VERIFY_PIECE = 4 << 20

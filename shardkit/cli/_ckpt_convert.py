@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import struct
 import tempfile
 import warnings
@@ -29,8 +31,12 @@ def _fs(path: str):
     return fs_and_path(path)
 
 
-def detect_format(path: str) -> str:
-    """The format of an existing ``path``: shardkit, torch-dcp, safetensors or torch."""
+def detect_format(path: str, *, hint: str = "") -> str:
+    """The format of an existing ``path``: shardkit, torch-dcp, safetensors or torch.
+
+    Looks at names and at most 9 bytes; never unpickles anything and never opens a FIFO
+    or device. ``hint`` ends the error message (``convert`` suggests ``--from``).
+    """
     from ._ckpt import METADATA_FILE, require_exists
 
     fs, root = require_exists(path)
@@ -41,15 +47,31 @@ def detect_format(path: str) -> str:
             return "torch-dcp"
         raise CliError(
             f"{path} is a directory but neither a shardkit checkpoint ({METADATA_FILE}) nor a "
-            "torch.distributed.checkpoint (.metadata); pass --from"
+            f"torch.distributed.checkpoint (.metadata){hint}"
         )
-    with fs.open(root, "rb") as f:
-        head = f.read(9)
+    head = _head(fs, root, path)
     if len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] < 100 << 20:
         return "safetensors"
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save zip / legacy pickle
         return "torch"
-    raise CliError(f"cannot tell the format of {path}; pass --from {'|'.join(FORMATS_FROM)}")
+    raise CliError(f"cannot tell the format of {path}{hint}")
+
+
+def _head(fs, root: str, path: str) -> bytes:
+    """The first 9 bytes of a file; a local FIFO, device or socket is refused unopened."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    if isinstance(fs, LocalFileSystem):
+        fd = os.open(root, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CliError(f"{path} is not a regular file (a FIFO, device or socket)")
+            os.set_blocking(fd, True)
+            return os.read(fd, 9)
+        finally:
+            os.close(fd)
+    with fs.open(root, "rb") as f:
+        return f.read(9)
 
 
 def _target_format(dst: str) -> str:
@@ -87,7 +109,7 @@ def _from_shardkit(src: str, fmt: str, dst: str) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert SRC to DST; formats from --from/--to or detected from SRC and DST's suffix."""
-    src_fmt = args.from_ or detect_format(args.src)
+    src_fmt = args.from_ or detect_format(args.src, hint=f"; pass --from {'|'.join(FORMATS_FROM)}")
     dst_fmt = args.to or _target_format(args.dst)
     if src_fmt == dst_fmt:
         raise CliError(f"{args.src} is already in {src_fmt} format; pick another --to")

@@ -1,8 +1,11 @@
 """Entry point of the ``shardkit`` console script: parser, dispatch and error handling.
 
-A user mistake (a missing path, a corrupt checkpoint, a wrong format) ends in one line on
-stderr, ``shardkit: error: ...``, and exit status 2, so the message is not buried under a
-traceback. ``--debug`` re-raises instead, for bug reports.
+Every failure ends in one line on stderr, ``shardkit: error: ...``, never a traceback
+(``--debug`` re-raises instead, for bug reports). Exit codes (docs/cli.md):
+
+0 success; 1 ``verify`` found damage or ``diff`` found differences; 2 usage error (bad
+arguments, a missing path, not a checkpoint); 3 damaged checkpoint (a command other than
+``verify`` could not read it); 4 internal error (a bug: please report it); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from .._version import __version__
 
 __all__ = ["CliError", "VerifyFailed", "build_parser", "main"]
 
-EXIT_ERROR = 2
 EXIT_VERIFY_FAILED = 1
+EXIT_ERROR = 2  # usage error
+EXIT_DAMAGED = 3
+EXIT_INTERNAL = 4
 
 
 class CliError(Exception):
@@ -111,7 +116,29 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"shardkit: error: {_one_line(exc)}", file=sys.stderr)
-        return EXIT_VERIFY_FAILED if isinstance(exc, VerifyFailed) else EXIT_ERROR
+        return _exit_code(exc)
+    except Exception as exc:  # a bug: still one line, the traceback only with --debug
+        if args.debug:
+            raise
+        print(
+            f"shardkit: internal error: {type(exc).__name__}: {_one_line(exc)} "
+            "(rerun with --debug for the traceback and please report it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _exit_code(exc: BaseException) -> int:
+    if isinstance(exc, VerifyFailed):
+        return EXIT_VERIFY_FAILED
+    try:
+        from ..checkpoint import CorruptCheckpointError
+
+        if isinstance(exc, CorruptCheckpointError):
+            return EXIT_DAMAGED
+    except ImportError:
+        pass
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

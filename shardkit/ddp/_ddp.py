@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import numbers
 import zlib
@@ -11,14 +12,18 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 
+from ._errors import CommHookError
+from ._grad_bucket import GradBucket
+from ._join import DDPJoinHook, exchange
 from ._reducer import Reducer
 from .comm_hooks import _comm
 
 __all__ = ["DistributedDataParallel"]
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallel training: each rank runs the whole module on its own batch.
 
     Construction broadcasts rank 0's parameters and buffers. Each synced backward
@@ -37,6 +42,14 @@ class DistributedDataParallel(nn.Module):
         gradient_as_bucket_view: make ``.grad`` views into the buckets (saves a copy
             and a gradient-sized allocation).
         broadcast_buffers: broadcast rank 0's buffers at every forward.
+        static_graph: the forward uses the same parameters every iteration; accepted as
+            in torch (parameters a forward leaves out are handled as with
+            ``find_unused_parameters=True``).
+        init_sync: check the ranks' parameter shapes and broadcast rank 0's parameters
+            and buffers at construction (torch's default); ``False`` skips both.
+        dim: the batch dim torch scatters over several local devices; one device per
+            rank here, so it only has to be an int.
+        device_ids / output_device: accepted as in torch for one device per rank.
     """
 
     _shardkit_wrapper = True
@@ -52,8 +65,12 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         device_ids: list | None = None,
         output_device=None,
+        dim: int = 0,
+        init_sync: bool = True,
+        static_graph: bool = False,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}"
@@ -66,9 +83,13 @@ class DistributedDataParallel(nn.Module):
             ("find_unused_parameters", find_unused_parameters),
             ("gradient_as_bucket_view", gradient_as_bucket_view),
             ("broadcast_buffers", broadcast_buffers),
+            ("init_sync", init_sync),
+            ("static_graph", static_graph),
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim must be an int, got {dim!r}")
         if device_ids is not None and len(device_ids) != 1:
             raise ValueError(
                 f"device_ids must be None or name this rank's one device, got {device_ids!r}"
@@ -84,6 +105,8 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_cap_mb = bucket_cap_mb
+        self.static_graph = static_graph
+        self.dim = dim
         self.require_backward_grad_sync = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -92,7 +115,7 @@ class DistributedDataParallel(nn.Module):
                 "requires grad; there is nothing to average"
             )
         self._world = _comm.group_size(self.process_group)
-        if self._world > 1:
+        if self._world > 1 and init_sync:
             self._verify_same_parameters([p for _, p in named])
             self._broadcast([*module.parameters(), *module.buffers()])
         self.reducer = Reducer(
@@ -100,10 +123,11 @@ class DistributedDataParallel(nn.Module):
             [n for n, _ in named],
             cap_bytes=max(1, int(bucket_cap_mb * (1 << 20))),
             gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=find_unused_parameters,
+            find_unused_parameters=find_unused_parameters or static_graph,
             process_group=self.process_group,
         )
         self._hook_registered = False
+        self._join_divide_by_initial = True
 
     # -- setup -------------------------------------------------------------------
 
@@ -123,14 +147,14 @@ class DistributedDataParallel(nn.Module):
             )
 
     @torch.no_grad()
-    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Rank 0's values to every rank, one collective per dtype and device."""
+    def _broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Group rank ``src``'s values to every rank, one collective per dtype and device."""
         groups: dict[tuple, list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
         for group in groups.values():
             flat = torch.cat([t.detach().reshape(-1) for t in group])
-            _comm.broadcast(flat, self.process_group)
+            _comm.broadcast(flat, self.process_group, src_group_rank=src)
             offset = 0
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -139,10 +163,16 @@ class DistributedDataParallel(nn.Module):
     # -- training ----------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        src = 0
+        if self._join_config.enable and self._world > 1:
+            Join.notify_join_context(self)  # counts this rank as still training
+            sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+            count, _, src = exchange(self, active=True, sync=sync)
+            self.reducer.sum_divisor = None if self._join_divide_by_initial else count
         if self.broadcast_buffers and self._world > 1:
             buffers = list(self.module.buffers())
             if buffers:
-                self._broadcast(buffers)
+                self._broadcast(buffers, src=src)
         outputs = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.reducer.prepare(outputs)
@@ -164,21 +194,22 @@ class DistributedDataParallel(nn.Module):
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """Let ``hook(state, bucket) -> Future`` communicate each bucket.
 
-        Allowed once, before the first backward. The hook averages (DDP does not
-        divide its result) and its future's value is the bucket's new flat tensor.
+        Allowed once, at any time between iterations (as torch). The hook averages (DDP
+        does not divide its result) and its future's value is the bucket's new flat
+        tensor. Errors are :class:`CommHookError`, which is the ``TypeError`` /
+        ``ValueError`` / ``RuntimeError`` torch raises for the same mistake.
         """
         if self._hook_registered:
-            raise ValueError(
+            raise CommHookError(
                 "register_comm_hook may be called only once per DDP module; combine the "
                 "hooks into one (e.g. fp16_compress_wrapper(powerSGD_hook))"
             )
-        if self.reducer.backwards_done:
-            raise ValueError(
-                "register_comm_hook must be called before the first backward; register "
-                "it right after wrapping the model"
+        if self.reducer.armed and any(self.reducer.ready):
+            raise CommHookError(
+                "register_comm_hook was called during a backward; register it between iterations"
             )
         if not callable(hook):
-            raise TypeError(
+            raise CommHookError(
                 f"register_comm_hook: hook must be callable as hook(state, bucket), got {hook!r}"
             )
         try:
@@ -186,22 +217,85 @@ class DistributedDataParallel(nn.Module):
         except (TypeError, ValueError):
             sig = None
         if sig is not None:
-            try:
-                sig.bind(state, None)
-            except TypeError:
-                raise TypeError(
-                    f"register_comm_hook: hook {getattr(hook, '__name__', hook)!r} must take "
-                    f"two arguments (state, bucket); its signature is {sig}"
-                ) from None
-            ret = sig.return_annotation
-            if ret is not inspect.Signature.empty and not _is_future_annotation(ret):
-                raise TypeError(
-                    f"register_comm_hook: hook {getattr(hook, '__name__', hook)!r} is annotated "
-                    f"to return {ret!r}; a hook must return a torch.futures.Future"
-                )
+            _check_signature(hook, sig, state)
         self.reducer.hook = hook
         self.reducer.hook_state = state
         self._hook_registered = True
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> contextlib.AbstractContextManager:
+        """Train on uneven inputs: ranks whose data runs out first keep the others going.
+
+        Use as ``with model.join(): for batch in my_batches: ...`` (torch's
+        ``Join([model])``, which also works, with other joinables too). A rank that leaves
+        the block shadows the collectives of every later iteration of the ranks still
+        training (contributing zero gradients), and at the end every rank takes the
+        parameters and buffers of a rank that finished last, so all end equal.
+        Gradients are divided by the initial world size (``divide_by_initial_world_size``,
+        torch's default) or by the number of ranks still training (default hook only).
+        With ``throw_on_early_termination`` every rank raises RuntimeError as soon as
+        one runs out instead. ``enable=False`` makes it a no-op.
+        """
+        for name, flag in (
+            ("divide_by_initial_world_size", divide_by_initial_world_size),
+            ("enable", enable),
+            ("throw_on_early_termination", throw_on_early_termination),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"join: {name} must be True or False, got {flag!r}")
+        if self._world == 1:
+            return contextlib.nullcontext()
+        return Join(
+            [self],
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs) -> DDPJoinHook:
+        """torch ``Joinable``: the hook a joined rank runs (``divide_by_initial_world_size``)."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """torch ``Joinable``: the device of this module's gradient buckets."""
+        return self.reducer.buckets[0].buffer.device
+
+    @property
+    def join_process_group(self):
+        """torch ``Joinable``: the group gradients are averaged over."""
+        return self.process_group
+
+
+def _check_signature(hook: Callable, sig: inspect.Signature, state: object) -> None:
+    name = getattr(hook, "__name__", repr(hook))
+    try:
+        sig.bind(state, None)
+    except TypeError:
+        raise CommHookError(
+            f"register_comm_hook: hook {name!r} must take two arguments (state, bucket); "
+            f"its signature is {sig}"
+        ) from None
+    bucket = sig.parameters.get("bucket")
+    if bucket is not None and bucket.annotation is not inspect.Parameter.empty:
+        ann = bucket.annotation
+        if not (
+            (isinstance(ann, str) and "GradBucket" in ann) or ann in (dist.GradBucket, GradBucket)
+        ):
+            raise CommHookError(
+                f"register_comm_hook: hook {name!r} annotates bucket as {ann!r}; it must be "
+                "a GradBucket (torch.distributed.GradBucket or shardkit.ddp.GradBucket)"
+            )
+    ret = sig.return_annotation
+    if ret is not inspect.Signature.empty and not _is_future_annotation(ret):
+        raise CommHookError(
+            f"register_comm_hook: hook {name!r} is annotated to return {ret!r}; a hook "
+            "must return a torch.futures.Future"
+        )
 
 
 def _is_future_annotation(ret) -> bool:

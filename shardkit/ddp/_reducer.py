@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from ._errors import CommHookError
 from ._grad_bucket import GradBucket
 from .comm_hooks import _comm
 
@@ -54,18 +55,22 @@ class _Bucket:
 
     def __init__(self, index: int, members: list[int], params: list[torch.Tensor]):
         self.index = index
-        self.members = members
+        self.members = sorted(members)  # registration order inside a bucket, as torch
         p0 = params[members[0]]
         numel = sum(params[i].numel() for i in members)
         self.buffer = torch.zeros(numel, dtype=p0.dtype, device=p0.device)
-        self.views = []
-        offset = 0
-        for i in members:
-            n = params[i].numel()
-            self.views.append(self.buffer[offset : offset + n].view(params[i].shape))
-            offset += n
+        self.views = self.views_of(self.buffer, params)
         self.pending = len(members)
         self.future: torch.futures.Future | None = None
+
+    def views_of(self, buffer: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One view per member parameter into a flat ``buffer`` laid out like this bucket."""
+        views, offset = [], 0
+        for i in self.members:
+            n = params[i].numel()
+            views.append(buffer[offset : offset + n].view(params[i].shape))
+            offset += n
+        return views
 
 
 class Reducer:
@@ -88,6 +93,7 @@ class Reducer:
         self.process_group = process_group
         self.hook: Callable | None = None
         self.hook_state = None
+        self.sum_divisor: int | None = None  # join(divide_by_initial_world_size=False)
         self.buckets = [
             _Bucket(i, members, params)
             for i, members in enumerate(assign_buckets(params, cap_bytes=cap_bytes))
@@ -185,12 +191,13 @@ class Reducer:
                 is_last=b.index == last,
             )
             if self.hook is None:
-                fut = _comm.all_reduce_async(b.buffer, self.process_group, average=True)
+                average = self.sum_divisor is None
+                fut = _comm.all_reduce_async(b.buffer, self.process_group, average=average)
             else:
                 fut = self.hook(self.hook_state, grad_bucket)
                 if not isinstance(fut, torch._C.Future):  # base of torch.futures.Future
                     name = getattr(self.hook, "__name__", repr(self.hook))
-                    raise TypeError(
+                    raise CommHookError(
                         f"DDP communication hook {name} returned {type(fut).__name__}; a hook "
                         f"must return a torch.futures.Future whose value is the bucket's tensor"
                     )
@@ -224,11 +231,13 @@ class Reducer:
                 if isinstance(value, (list, tuple)):
                     value = value[0]
                 if not isinstance(value, torch.Tensor) or value.numel() != b.buffer.numel():
-                    raise TypeError(
+                    raise CommHookError(
                         f"DDP communication hook: the future of bucket {b.index} holds "
                         f"{type(value).__name__}; it must hold a tensor of "
                         f"{b.buffer.numel()} elements"
                     )
+                if self.hook is None and self.sum_divisor:
+                    value = value / self.sum_divisor
                 if value.data_ptr() != b.buffer.data_ptr() or value.dtype != b.buffer.dtype:
                     b.buffer.copy_(value.reshape(-1))
                 for slot, i in enumerate(b.members):
@@ -246,6 +255,33 @@ class Reducer:
             p.grad = view.clone()
         else:
             p.grad.copy_(view)
+
+    def shadow_backward(self) -> None:
+        """A joined rank's part of one backward of the others: zero gradients, same order."""
+        with self.lock:
+            last = len(self.buckets) - 1
+            futures = []
+            for b in self.buckets:
+                zeros = torch.zeros_like(b.buffer)
+                if self.hook is None:
+                    fut = _comm.all_reduce_async(zeros, self.process_group, average=True)
+                else:
+                    bucket = GradBucket(
+                        b.index,
+                        zeros,
+                        b.views_of(zeros, self.params),
+                        [self.params[i] for i in b.members],
+                        is_last=b.index == last,
+                    )
+                    fut = self.hook(self.hook_state, bucket)
+                futures.append(fut)
+            if self.find_unused:
+                dev = self.buckets[0].buffer.device
+                _comm.all_reduce(
+                    torch.zeros(len(self.params), dtype=torch.int32, device=dev), self.process_group
+                )
+            for fut in futures:
+                fut.wait()
 
     def remove(self) -> None:
         _remove_all(self.handles)

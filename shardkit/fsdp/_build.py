@@ -92,6 +92,7 @@ def shard_parameters(
             local = layout.shard_of(p.detach(), rank).clone()
         shard = nn.Parameter(local, requires_grad=p.requires_grad)
         shard._shardkit_fsdp_shard = True
+        shard._shardkit_fsdp_rows = (layout, rank, world)  # read by optimizer state hooks
         p._shardkit_fsdp_claimed = True
         for mod, name in owners:
             mod._parameters[name] = shard

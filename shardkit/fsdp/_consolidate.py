@@ -14,9 +14,14 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["consolidate_sharded_model_checkpoints", "find_rank_files", "rank_file_name"]
+__all__ = [
+    "consolidate_sharded_model_checkpoints",
+    "consolidate_sharded_state_dicts",
+    "find_rank_files",
+    "rank_file_name",
+]
 
-_RANK_RE = re.compile(r"_rank-(\d+)-of-(\d+)")
+_RANK_RE = re.compile(r"rank-(\d+)-of-(\d+)")
 
 
 def rank_file_name(prefix: str, rank: int, world_size: int, suffix: str = ".pth") -> str:
@@ -24,45 +29,65 @@ def rank_file_name(prefix: str, rank: int, world_size: int, suffix: str = ".pth"
     return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}{suffix}"
 
 
+def _peek_meta(path: str) -> dict:
+    """The ``shard_metadata`` of a rank file (memory-mapped: tensors are not read)."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    meta = ckpt.get("shard_metadata") if isinstance(ckpt, dict) else None
+    del ckpt
+    if not isinstance(meta, dict) or not isinstance(meta.get("rank"), int):
+        raise ValueError(
+            f"{path!r} is not a per-rank FSDP checkpoint: it needs 'model' and "
+            "'shard_metadata' entries; remove it or narrow ckpt_suffix"
+        )
+    return meta
+
+
 def find_rank_files(
     ckpt_prefix: str, ckpt_suffix: str = "*.pth", ignore: tuple[str, ...] = ()
 ) -> list[str]:
-    """Every rank's file, in rank order; a missing, duplicate or stray file is an error.
+    """Every rank's file, ordered by its ``shard_metadata["rank"]`` (as torch_xla does).
 
-    ``ignore`` lists files to skip (a previous consolidation's output, say).
+    Any file names work (``rank-0-of-2.pth``, ``x_rank-00000000-of-00000002.pth``); a
+    name that carries ``rank-R-of-N`` must agree with the file's metadata. A missing,
+    duplicate or stray file is an error naming it. ``ignore`` lists files to skip (a
+    previous consolidation's output, say).
     """
     pattern = ckpt_prefix + ckpt_suffix
     skip = {os.path.abspath(p) for p in ignore if p}
     paths = sorted(p for p in glob.glob(pattern) if os.path.abspath(p) not in skip)
     if not paths:
         raise FileNotFoundError(f"no checkpoint files match {pattern!r}")
-    by_rank: dict[int, str] = {}
+    found: list[tuple[int, int, str]] = []
     worlds: dict[int, list[str]] = {}
     for path in paths:
+        meta = _peek_meta(path)
+        rank, world = meta["rank"], meta.get("world_size")
         match = _RANK_RE.search(os.path.basename(path))
-        if match is None:
+        if match is not None and (int(match.group(1)), int(match.group(2))) != (rank, world):
             raise ValueError(
-                f"checkpoint file {path!r} matches {pattern!r} but has no _rank-R-of-N in its "
-                "name; remove it or narrow --ckpt_suffix"
+                f"{path!r} holds rank {rank} of {world} ranks, but its name says rank "
+                f"{int(match.group(1))} of {int(match.group(2))}"
             )
-        rank, world = int(match.group(1)), int(match.group(2))
         worlds.setdefault(world, []).append(path)
-        if rank in by_rank:
-            raise ValueError(f"two files claim rank {rank}: {by_rank[rank]!r} and {path!r}")
-        by_rank[rank] = path
+        found.append((rank, world, path))
     if len(worlds) > 1:
         detail = ", ".join(f"{n} ranks: {sorted(p)}" for n, p in sorted(worlds.items()))
         raise ValueError(f"checkpoint files from different world sizes match {pattern!r}: {detail}")
     world = next(iter(worlds))
-    extra = sorted(p for r, p in by_rank.items() if r >= world)
+    by_rank: dict[int, str] = {}
+    for rank, _world, path in found:
+        if rank in by_rank:
+            raise ValueError(f"two files claim rank {rank}: {by_rank[rank]!r} and {path!r}")
+        by_rank[rank] = path
+    extra = sorted(p for r, p in by_rank.items() if not 0 <= r < world)
     if extra:
         raise ValueError(f"unexpected checkpoint file(s) {extra}: rank out of range 0..{world - 1}")
     missing = [r for r in range(world) if r not in by_rank]
     if missing:
         names = [os.path.basename(rank_file_name(ckpt_prefix, r, world)) for r in missing]
         raise FileNotFoundError(
-            f"missing checkpoint file(s) for rank(s) {missing} of {world}: expected {names} "
-            f"matching {pattern!r}"
+            f"missing checkpoint file(s) for rank(s) {missing} of {world} matching {pattern!r} "
+            f"(conventionally named {names}; found {sorted(by_rank.values())})"
         )
     return [by_rank[r] for r in range(world)]
 
@@ -83,7 +108,7 @@ def _merge_rank(path: str, rank: int, world: int, slots: dict, full: dict) -> di
     if meta.get("world_size") != world or meta.get("rank") != rank:
         raise ValueError(
             f"{path!r} holds rank {meta.get('rank')} of {meta.get('world_size')} ranks, but "
-            f"its name says rank {rank} of {world}"
+            f"it was listed as rank {rank} of {world} (was it rewritten meanwhile?)"
         )
     for key, info in meta["params"].items():
         if key not in model:
@@ -130,7 +155,7 @@ def consolidate_sharded_model_checkpoints(
     save_model: bool = True,
     *,
     progress: bool = False,
-) -> tuple[dict[str, torch.Tensor], str]:
+) -> tuple[dict[str, torch.Tensor], str | None]:
     """Merge per-rank FSDP checkpoints into the unwrapped model's full state dict.
 
     Args:
@@ -142,7 +167,8 @@ def consolidate_sharded_model_checkpoints(
         progress: show a tqdm progress bar over the rank files.
 
     Returns:
-        ``(full_state_dict, save_path)``; keys are the unwrapped model's names, with
+        ``(full_state_dict, save_path)``, ``save_path`` None when ``save_model`` is
+        false (nothing was written, as in torch_xla); keys are the unwrapped model's names, with
         padding removed, ready for ``plain_model.load_state_dict``.
     """
     save_path = save_path or f"{ckpt_prefix}_consolidated.pth"
@@ -163,4 +189,50 @@ def consolidate_sharded_model_checkpoints(
         if directory:
             os.makedirs(directory, exist_ok=True)
         torch.save({"model": full}, save_path)
-    return full, save_path
+        return full, save_path
+    return full, None
+
+
+def consolidate_sharded_state_dicts(state_dict_list: list[dict], shard_metadata: dict) -> dict:
+    """Merge every rank's ``model.state_dict()`` (in rank order) into the full state dict.
+
+    ``shard_metadata`` is ``model.get_shard_metadata()`` of any rank. Keys of the result
+    are the unwrapped model's names, ready for ``plain_model.load_state_dict``.
+    """
+    from ..spmd import ShardedTensor
+    from ..spmd.layout import chunk_bounds
+
+    world = shard_metadata.get("world_size")
+    if len(state_dict_list) != world:
+        raise ValueError(
+            f"shard_metadata describes {world} ranks but {len(state_dict_list)} state dicts "
+            "were given; pass every rank's model.state_dict(), in rank order"
+        )
+    params, buffers = shard_metadata["params"], shard_metadata["buffers"]
+    full: dict[str, torch.Tensor] = {}
+    for key in state_dict_list[0]:
+        if key in buffers:
+            value = state_dict_list[0][key]
+            full[buffers[key]] = value.detach().clone()
+            continue
+        info = params.get(key)
+        if info is None:
+            raise ValueError(f"state dict key {key!r} is not described by shard_metadata")
+        pieces = []
+        for rank, sd in enumerate(state_dict_list):
+            value = sd[key]
+            if isinstance(value, ShardedTensor):
+                value = value._local_tensor
+            if info["replicated"]:
+                pieces = [value]
+                break
+            rows = chunk_bounds(info["shape"][0], world, rank)[1]
+            if value.shape[0] != rows:
+                raise ValueError(
+                    f"state dict {rank}: {key!r} holds {value.shape[0]} rows, rank {rank} of "
+                    f"{world} holds {rows}; are the state dicts in rank order?"
+                )
+            pieces.append(value.detach())
+        merged = pieces[0].clone() if info["replicated"] else torch.cat(pieces, 0)
+        full[info["fqn"]] = merged.reshape(info["shape"])
+    return full

@@ -11,9 +11,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._build import own_modules, prepare_buffers, shard_parameters
+from ._build import prepare_buffers, shard_parameters
 from ._comm import group_info
+from ._meta import FSDPUsageError, materialize_meta, uses_checkpointing
 from ._options import FSDPOptions
+from ._rows import describe_rows, install_optimizer_hooks, local_rows, row_entries
 from ._state import (
     clip_grad_norm,
     load_sharded_state_dict,
@@ -23,8 +25,9 @@ from ._state import (
 )
 from ._unit import UnitState
 from ._wrap import auto_wrap
+from ._xla_knobs import check_xla_knobs
 
-__all__ = ["FullyShardedDataParallel", "FSDP"]
+__all__ = ["FullyShardedDataParallel", "FSDP", "XlaFullyShardedDataParallel"]
 
 
 class _AllGather(torch.autograd.Function):
@@ -72,6 +75,15 @@ class FullyShardedDataParallel(nn.Module):
         fp32_reduce_scatter: reduce gradients in fp32 rather than ``compute_dtype``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
         forward_prefetch / backward_prefetch: issue the next unit's all-gather early.
+        param_init_fn: ``fn(module)`` run on each module holding meta-device tensors
+            before sharding; without it such modules get empty CPU storage and their
+            ``reset_parameters()`` (see docs/fsdp.md, deferred initialization).
+        **xla_options: torch_xla's XLA-only keywords, accepted by the rule in
+            docs/fsdp.md (no effect, one warning for a non-default value; those that
+            would change results are refused).
+
+    ``state_dict()`` values of sharded parameters are ShardedTensors holding this
+    rank's rows; see :meth:`state_dict`.
     """
 
     _shardkit_wrapper = True
@@ -80,9 +92,9 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        reshard_after_forward: bool = True,
         *,
         process_group: Any = None,
-        reshard_after_forward: bool = True,
         flatten_parameters: bool = False,
         auto_wrap_policy: Callable | None = None,
         auto_wrapper_callable: Callable | None = None,
@@ -92,12 +104,18 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: bool = False,
         forward_prefetch: bool = True,
         backward_prefetch: bool = True,
+        param_init_fn: Callable | None = None,
+        **xla_options: Any,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
         if isinstance(module, FullyShardedDataParallel):
-            raise ValueError("the module is already FSDP-wrapped; wrap the inner module once")
+            raise FSDPUsageError(
+                "the module is already FSDP-wrapped; wrap the inner module once (for nested "
+                "FSDP, wrap the children first, then the parent)"
+            )
+        install_optimizer_hooks()
         opts = FSDPOptions(
             process_group=process_group,
             reshard_after_forward=reshard_after_forward,
@@ -110,13 +128,19 @@ class FullyShardedDataParallel(nn.Module):
             sync_module_states=sync_module_states,
             forward_prefetch=forward_prefetch,
             backward_prefetch=backward_prefetch,
+            param_init_fn=param_init_fn,
         )
         self._opts = opts
         self._group, self.rank, self.world_size = group_info(process_group)
+        check_xla_knobs(xla_options, rank=self.rank, world=self.world_size)
         if opts.auto_wrap_policy is not None:
             wrapper = opts.auto_wrapper_callable or (lambda m, **kw: type(self)(m, **kw))
             auto_wrap(module, opts.auto_wrap_policy, wrapper, opts.for_child(), type(self))
+        materialize_meta(module, opts.param_init_fn)
         self.module = module
+        for inner in module.modules():
+            if isinstance(inner, FullyShardedDataParallel):
+                inner._nested = True  # its state_dict() values are described by the root
         prepare_buffers(module, opts, self._group, self.world_size)
         params = shard_parameters(module, opts, self._group, self.rank, self.world_size)
         self._state = UnitState(
@@ -127,9 +151,8 @@ class FullyShardedDataParallel(nn.Module):
             compute_dtype=opts.compute_dtype,
             fp32_reduce_scatter=opts.fp32_reduce_scatter,
         )
-        self._has_checkpointed = any(
-            getattr(m, "_shardkit_checkpointed", False) for m in own_modules(module)
-        )
+        self._has_checkpointed = uses_checkpointing(module)
+        self._nested = False
         self._is_root: bool | None = None
         self.__dict__["_root"] = self  # not a submodule: no cycle in the module tree
         self._uses = 0  # gathers of this iteration whose backward has not run yet
@@ -140,6 +163,7 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
         self._sync_grads = True
         self._pending_reduces: deque = deque()
+        self._meta_checked = False
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -164,6 +188,8 @@ class FullyShardedDataParallel(nn.Module):
                     )
                 unit._is_root = False
                 unit.__dict__["_root"] = self
+        for unit in self._units:  # torch's apply_activation_checkpointing may come late
+            unit._has_checkpointed = uses_checkpointing(unit.module)
         self._state.is_root = True
 
     def _neighbour(self, unit: FullyShardedDataParallel, step: int):
@@ -179,6 +205,9 @@ class FullyShardedDataParallel(nn.Module):
         self._lazy_init()
         root = self._root
         if self._is_root:
+            if not root._meta_checked:
+                _check_not_meta(root)
+                root._meta_checked = True
             root._recording = not root._order
             # a new iteration: nothing gathered may outlive an optimizer step
             for unit in root._units:
@@ -321,6 +350,60 @@ class FullyShardedDataParallel(nn.Module):
         """Clip the gradients of every shard by the global norm over all ranks; return it."""
         return clip_grad_norm(self, max_norm, norm_type)
 
+    # -- state dicts ----------------------------------------------------------------
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """Like ``nn.Module.state_dict``, sharded parameters as :class:`ShardedTensor` rows.
+
+        Each sharded parameter's value holds this rank's rows (the live shard) and knows
+        the global shape and its offsets, so ``shardkit.checkpoint.save`` /
+        ``CheckpointManager`` store every rank's rows and reshard on load; ``torch.save``
+        writes just the local rows. Buffers and 0-d parameters stay plain (replicated).
+        """
+        if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
+            given = {"destination": destination, "prefix": prefix, "keep_vars": keep_vars}
+            given.update(zip(("destination", "prefix", "keep_vars"), args))
+            destination, prefix, keep_vars = given.values()
+        out = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if not keep_vars and not self._nested:
+            describe_rows(self, out, prefix)
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if not self._nested:
+            for key, layout in row_entries(self, prefix):
+                if key in state_dict:
+                    state_dict[key] = local_rows(state_dict[key], layout, self.rank)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._adopt_params()
+        return out
+
+    def _adopt_params(self) -> None:
+        """After ``to_empty`` / ``to``: make the parameters torch put in place the shards."""
+        state = self._state
+        for mp in state.params:
+            mod, name = mp.owners[0]
+            current = mod._parameters.get(name)
+            if current is None or current is mp.shard:
+                continue
+            current._shardkit_fsdp_shard = True
+            current._shardkit_fsdp_rows = mp.shard._shardkit_fsdp_rows
+            for m, n in mp.owners:  # torch's _apply unties shared parameters: tie again
+                m._parameters[n] = current
+            mp.shard, mp.full = current, None
+        if not state.gathered:  # device or dtype may have changed: gather into new tensors
+            for mp in state.params:
+                mp.full = None
+        if state.params:
+            state.device = state.params[0].shard.device
+            if self._opts.compute_dtype is None:
+                state.compute_dtype = state.params[0].shard.dtype
+                if not self._opts.fp32_reduce_scatter:
+                    state.reduce_dtype = state.compute_dtype
+        self._root._meta_checked = False
+
     def get_shard_metadata(self) -> dict:
         """Describe this rank's shards so per-rank checkpoints can be consolidated.
 
@@ -345,6 +428,17 @@ class FullyShardedDataParallel(nn.Module):
         return f"{mode}, world_size={self.world_size}, params={len(self._state.params)}"
 
 
+def _check_not_meta(root) -> None:
+    for unit in root._units:
+        for mp in unit._state.params:
+            if mp.shard.is_meta:
+                raise FSDPUsageError(
+                    f"FSDP parameter {mp.fqns[0]!r} is on the meta device; call "
+                    "model.to_empty(device='cpu') and initialize it (reset_parameters()), or "
+                    "pass param_init_fn to FSDP"
+                )
+
+
 def _cast(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
         return value.to(dtype)
@@ -352,3 +446,4 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
 
 
 FSDP = FullyShardedDataParallel
+XlaFullyShardedDataParallel = FullyShardedDataParallel

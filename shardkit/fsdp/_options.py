@@ -29,6 +29,7 @@ class FSDPOptions:
     sync_module_states: bool = False
     forward_prefetch: bool = True
     backward_prefetch: bool = True
+    param_init_fn: Callable | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -54,7 +55,7 @@ class FSDPOptions:
                     f"FSDP option {name}={value!r} must be one of torch.bfloat16, "
                     "torch.float16, torch.float32, torch.float64 or None"
                 )
-        for name in ("auto_wrap_policy", "auto_wrapper_callable"):
+        for name in ("auto_wrap_policy", "auto_wrapper_callable", "param_init_fn"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"FSDP option {name}={value!r} must be callable or None")

@@ -22,6 +22,9 @@ __all__ = [
 ]
 
 MESH_AXIS = "fsdp"
+#: the attribute torch's ``checkpoint_wrapper`` keeps the wrapped module in; torch strips
+#: it from state-dict keys, and so do we (keys load into the unwrapped model)
+_CKPT_WRAPPED = "_checkpoint_wrapped_module"
 
 
 def _root(model):
@@ -57,7 +60,11 @@ def iter_entries(model) -> Iterator[tuple[str, str, str, Any]]:
             if b is not None and name not in mod._non_persistent_buffers_set:
                 yield "buffer", up + name, sp + name, (mod, name)
         for name, child in mod._modules.items():
-            if child is not None:
+            if child is None:
+                continue
+            if name == _CKPT_WRAPPED:  # torch's checkpoint_wrapper: not part of any name
+                yield from visit(child, up, sp)
+            else:
                 yield from visit(child, f"{up}{name}.", f"{sp}{name}.")
 
     yield from visit(root, "", "")
@@ -109,7 +116,7 @@ def _local_part(value: Any, fqn: str, shape: tuple, spec: tuple, box_of) -> torc
             f"parameter has shape {tuple(shape)}"
         )
     if isinstance(value, ShardedTensor):
-        if value.partition_spec == spec and value.mesh.size == runtime.world_size():
+        if value.partition_spec == spec and value.mesh.size() == runtime.world_size():
             return value.local_tensor().detach()
         value = value.full_tensor().detach()
     return box_of(value)

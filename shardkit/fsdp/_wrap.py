@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "always_wrap_policy",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "lambda_auto_wrap_policy",
@@ -17,6 +18,14 @@ __all__ = [
 
 #: Containers are never worth a unit of their own: they have no forward of note.
 _EXCLUDED = (nn.ModuleList, nn.ModuleDict)
+#: Modules whose children are never units of their own (their forward reads the
+#: children's parameters directly).
+_LEAVES = (nn.MultiheadAttention,)
+
+
+def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    """Wrap every submodule (as torch's and torch_xla's ``always_wrap_policy``)."""
+    return True
 
 
 def size_based_auto_wrap_policy(
@@ -29,14 +38,17 @@ def size_based_auto_wrap_policy(
 ) -> bool:
     """Wrap a submodule once it holds at least ``min_num_params`` not-yet-wrapped parameters.
 
-    Use with ``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``.
-    ``force_leaf_modules`` are not descended into; ``exclude_wrap_modules`` (default
-    ``ModuleList`` / ``ModuleDict``) are never units themselves.
+    Use with ``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``. As
+    torch's: only modules that large are descended into; ``force_leaf_modules`` (default
+    ``MultiheadAttention``) never are; ``exclude_wrap_modules`` (default ``ModuleList`` /
+    ``ModuleDict``) are never units themselves.
     """
+    large = nonwrapped_numel >= min_num_params
     if recurse:
-        return not isinstance(module, tuple(force_leaf_modules or ()))
+        leaves = tuple(force_leaf_modules) if force_leaf_modules is not None else _LEAVES
+        return large and not isinstance(module, leaves)
     excluded = tuple(exclude_wrap_modules) if exclude_wrap_modules is not None else _EXCLUDED
-    return nonwrapped_numel >= min_num_params and not isinstance(module, excluded)
+    return large and not isinstance(module, excluded)
 
 
 def transformer_auto_wrap_policy(
@@ -85,6 +97,11 @@ def _numel(module: nn.Module, wrapper_cls: type) -> int:
     return total
 
 
+def _has_forward(module: nn.Module) -> bool:
+    """Containers with no forward (ModuleList, ModuleDict) cannot be units: none runs."""
+    return type(module).forward is not nn.Module.forward
+
+
 def auto_wrap(
     root: nn.Module,
     policy: Callable,
@@ -116,7 +133,12 @@ def auto_wrap(
                 setattr(module, name, new_child)
             wrapped += n
         remainder = numel - wrapped
-        if not is_root and policy(module, False, remainder) and self_contained(module):
+        if (
+            not is_root
+            and _has_forward(module)
+            and policy(module, False, remainder)
+            and self_contained(module)
+        ):
             return wrapper(module, **kwargs), numel
         return module, wrapped
 

@@ -6,12 +6,14 @@ A policy is ``policy(module, recurse, nonwrapped_numel) -> bool``: asked with
 """
 
 from ._wrap import (
+    always_wrap_policy,
     lambda_auto_wrap_policy,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
 
 __all__ = [
+    "always_wrap_policy",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
     "lambda_auto_wrap_policy",

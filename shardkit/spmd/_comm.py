@@ -73,7 +73,7 @@ def record_fallback(op_name: str) -> None:
 
 
 def _names(mesh: Mesh, axes: Sequence[int]) -> tuple[str, ...]:
-    return tuple(mesh.axis_names[a] for a in sorted(axes))
+    return tuple(mesh.axis_labels[a] for a in sorted(axes))
 
 
 def _group_size(mesh: Mesh, axes: Sequence[int]) -> int:
@@ -148,7 +148,7 @@ def all_to_all_bytes(
     me = dist.get_rank()
     record(
         "all_to_all",
-        tuple(mesh.axis_names),
+        tuple(mesh.axis_labels),
         send.numel() - chunks[me].numel() * chunks[me].element_size(),
     )
     dist.all_to_all_single(

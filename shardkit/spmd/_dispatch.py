@@ -79,7 +79,35 @@ def _sharded_type():
     return ShardedTensor
 
 
+def _plain_grad(grad):
+    """Hook on a plain tensor used with ShardedTensors: its gradient arrives sharded (or as
+    a pending sum); give it back whole, so a plain parameter's ``.grad`` is a plain tensor
+    as in torch, plain layers upstream run their backward on plain tensors, and the
+    optimizer step of plain parameters needs no collective."""
+    return grad.full_tensor() if isinstance(grad, _sharded_type()) else grad
+
+
+def _watch(x) -> None:
+    if (
+        type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.requires_grad
+        and not any(h is _plain_grad for h in (x._backward_hooks or {}).values())
+    ):
+        x.register_hook(_plain_grad)
+
+
+def _watch_plain(args: tuple) -> None:
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                _watch(b)
+        else:
+            _watch(a)
+
+
 def dispatch(func, args: tuple, kwargs: dict):
+    if torch.is_grad_enabled():
+        _watch_plain(args)
     rule = _RULES[func] if func in _RULES else _rule_for(func)
     if rule is not None:
         out = rule(func, args, kwargs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -9,23 +11,31 @@ import numpy as np
 import torch.distributed as dist
 
 from .. import runtime
+from ._errors import MeshError
 from .layout import mesh_coords
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "get_global_mesh", "set_global_mesh"]
 
 
 class Mesh:
     """Ranks arranged as ``np.array(device_ids).reshape(mesh_shape)`` with named axes.
 
     Args:
-        device_ids: every rank of the world exactly once, in mesh order.
+        device_ids: every rank of the world exactly once, in mesh order (kept as given).
         mesh_shape: the grid's size along each axis; its product is the world size.
-        axis_names: one unique name per axis (default ``"axis0"``, ``"axis1"``, ...).
+        axis_names: one unique name per axis, or None: then ``axis_names`` stays None,
+            axes are referred to by index and :meth:`shape` is keyed by axis index,
+            as in torch_xla.
 
-    Process groups for an axis (or a tuple of axes) are created on first use and
-    cached; creation is collective, so every rank must reach it in the same order,
+    Mistakes raise :class:`MeshError` (a ValueError and an AssertionError, as torch_xla
+    asserts). Process groups for an axis (or a tuple of axes) are created on first use
+    and cached; creation is collective, so every rank must reach it in the same order,
     which SPMD programs do naturally.
     """
+
+    device_ids: np.ndarray
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...] | None
 
     def __init__(
         self,
@@ -33,58 +43,104 @@ class Mesh:
         mesh_shape: Sequence[int],
         axis_names: Sequence[str] | None = None,
     ) -> None:
-        ids = np.asarray(device_ids).reshape(-1)
+        given = device_ids if isinstance(device_ids, np.ndarray) else np.array(device_ids)
+        ids = given.reshape(-1)
+        if isinstance(mesh_shape, int):
+            raise MeshError(
+                f"mesh_shape must be a tuple of sizes, got {mesh_shape!r}; write ({mesh_shape},)"
+            )
         mesh_shape = tuple(int(s) for s in mesh_shape)
         if any(s <= 0 for s in mesh_shape):
-            raise ValueError(f"mesh_shape {mesh_shape} must have only positive sizes")
+            raise MeshError(f"mesh_shape {mesh_shape} must have only positive sizes")
         if int(np.prod(mesh_shape)) != ids.size:
-            raise ValueError(
+            raise MeshError(
                 f"mesh_shape {mesh_shape} holds {int(np.prod(mesh_shape))} devices but "
                 f"{ids.size} device_ids were given"
             )
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
         world = runtime.world_size()
         if ids.size != world:
-            raise ValueError(
+            raise MeshError(
                 f"the mesh has {ids.size} devices but the world has {world} ranks; "
                 f"use a mesh_shape whose product is {world}"
             )
         if sorted(ids.tolist()) != list(range(world)):
-            raise ValueError(
+            raise MeshError(
                 f"device_ids {ids.tolist()} must be a permutation of the ranks 0..{world - 1}"
             )
-        if axis_names is None:
-            axis_names = tuple(f"axis{i}" for i in range(len(mesh_shape)))
-        axis_names = tuple(axis_names)
-        if len(axis_names) != len(mesh_shape):
-            raise ValueError(
-                f"axis_names {axis_names} must name each of the {len(mesh_shape)} mesh axes"
-            )
-        if len(set(axis_names)) != len(axis_names) or not all(
-            isinstance(n, str) for n in axis_names
-        ):
-            raise ValueError(f"axis_names {axis_names} must be unique strings")
-        self.device_ids = ids.reshape(mesh_shape)
+        if axis_names is not None:
+            if isinstance(axis_names, str):
+                raise MeshError(
+                    f"axis_names must be a tuple of names, got the string {axis_names!r}; "
+                    f"write ({axis_names!r},)"
+                )
+            axis_names = tuple(axis_names)
+            if len(axis_names) != len(mesh_shape):
+                raise MeshError(
+                    f"axis_names {axis_names} must name each of the {len(mesh_shape)} mesh axes"
+                )
+            if len(set(axis_names)) != len(axis_names) or not all(
+                isinstance(n, str) for n in axis_names
+            ):
+                raise MeshError(f"axis_names {axis_names} must be unique strings")
+        self.device_ids = given
         self.mesh_shape = mesh_shape
         self.axis_names = axis_names
+        self._grid = ids.reshape(mesh_shape)
         self._groups: dict[tuple[int, ...], object] = {}
         # rank -> coordinate and the hash are asked for on every op: compute them once
-        self._coords = {
-            int(r): tuple(int(c) for c in idx) for idx, r in np.ndenumerate(self.device_ids)
-        }
-        self._hash = hash((self.axis_names, self.mesh_shape, self.device_ids.tobytes()))
+        self._coords = {int(r): tuple(int(c) for c in idx) for idx, r in np.ndenumerate(self._grid)}
+        self._hash = hash((self.axis_names, self.mesh_shape, self._grid.tobytes()))
 
     # -- geometry --------------------------------------------------------
-    def shape(self) -> OrderedDict[str, int]:
-        """Axis name -> size, in axis order."""
-        return OrderedDict(zip(self.axis_names, self.mesh_shape))
+    def shape(self) -> OrderedDict[str | int, int]:
+        """Axis name -> size in axis order (axis index -> size when the axes have no names)."""
+        return OrderedDict(zip(self.axis_labels, self.mesh_shape))
+
+    @property
+    def axis_labels(self) -> tuple[str, ...] | tuple[int, ...]:
+        """The keys of :meth:`shape`: the axis names, or the axis indices without names."""
+        if self.axis_names is None:
+            return tuple(range(len(self.mesh_shape)))
+        return self.axis_names
 
     @property
     def ndim(self) -> int:
+        """Number of mesh axes."""
         return len(self.mesh_shape)
 
-    @property
     def size(self) -> int:
-        return int(self.device_ids.size)
+        """Number of devices (ranks) in the mesh: the product of ``mesh_shape``."""
+        return int(self._grid.size)
+
+    def get_logical_mesh(self) -> np.ndarray:
+        """The device ids laid out in the mesh's shape."""
+        return self.device_ids.reshape(self.mesh_shape)
+
+    def get_axis_name_idx(self, name: str) -> int | None:
+        """Index of the axis called ``name``, or None when no axis has that name."""
+        if self.axis_names is None or name not in self.axis_names:
+            return None
+        return self.axis_names.index(name)
+
+    def __str__(self) -> str:
+        return (
+            f"{{'device_ids': {self.device_ids.tolist()}, "
+            f"'mesh_shape': {self.mesh_shape}, 'axis_names': {self.axis_names}}}"
+        )
+
+    @classmethod
+    def from_str(cls, mesh_str: str) -> Mesh | None:
+        """The mesh ``str(mesh)`` describes; None when the text cannot be parsed.
+
+        A parsed mesh that does not fit this world still raises :class:`MeshError`.
+        """
+        try:
+            fields = ast.literal_eval(mesh_str.replace("Mesh", "", 1))
+            ids, shape, names = fields["device_ids"], fields["mesh_shape"], fields["axis_names"]
+        except (ValueError, SyntaxError, KeyError, TypeError, AttributeError):
+            return None
+        return cls(np.array(ids), shape, names)
 
     def coord_of(self, rank: int) -> tuple[int, ...]:
         """Mesh coordinate of ``rank``."""
@@ -98,15 +154,18 @@ class Mesh:
         return self.coord_of(runtime.global_ordinal())
 
     def rank_at(self, coord: Sequence[int]) -> int:
-        return int(self.device_ids[tuple(coord)])
+        """The rank at mesh coordinate ``coord``."""
+        return int(self._grid[tuple(coord)])
 
     def axis_index(self, axis: str | int) -> int:
+        """Index of a mesh axis given by name or index."""
         if isinstance(axis, str):
-            if axis not in self.axis_names:
-                raise ValueError(f"unknown mesh axis {axis!r}; the axes are {self.axis_names}")
-            return self.axis_names.index(axis)
+            index = self.get_axis_name_idx(axis)
+            if index is None:
+                raise MeshError(f"unknown mesh axis {axis!r}; the axes are {self.axis_labels}")
+            return index
         if not 0 <= axis < self.ndim:
-            raise ValueError(f"mesh axis index {axis} out of range for {self.ndim} axes")
+            raise MeshError(f"mesh axis index {axis} out of range for {self.ndim} axes")
         return axis
 
     def group_ranks(self, axes: Sequence[int], coord: Sequence[int] | None = None) -> list[int]:
@@ -155,7 +214,7 @@ class Mesh:
         return state
 
     def __repr__(self) -> str:
-        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_labels, self.mesh_shape))
         return f"Mesh({axes}, device_ids={self.device_ids.reshape(-1).tolist()})"
 
     def __eq__(self, other: object) -> bool:
@@ -165,8 +224,89 @@ class Mesh:
             isinstance(other, Mesh)
             and self.axis_names == other.axis_names
             and self.mesh_shape == other.mesh_shape
-            and np.array_equal(self.device_ids, other.device_ids)
+            and np.array_equal(self._grid, other._grid)
         )
 
     def __hash__(self) -> int:
         return self._hash
+
+
+_GLOBAL_MESH: Mesh | None = None
+
+
+def set_global_mesh(mesh: Mesh | None) -> None:
+    """Remember ``mesh`` as this process's global mesh (None forgets it)."""
+    global _GLOBAL_MESH
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"set_global_mesh expects a Mesh, got {type(mesh).__name__}")
+    _GLOBAL_MESH = mesh
+
+
+def get_global_mesh() -> Mesh | None:
+    """The mesh given to :func:`set_global_mesh`, or None."""
+    return _GLOBAL_MESH
+
+
+def get_1d_mesh(axis_name: str | None = None) -> Mesh:
+    """A mesh of every rank along one axis (named ``axis_name``, or unnamed)."""
+    runtime.init()  # the world's size is the mesh's: join it first
+    num_devices = runtime.global_runtime_device_count()
+    names = None if axis_name is None else (axis_name,)
+    return Mesh(np.arange(num_devices), (num_devices,), names)
+
+
+class HybridMesh(Mesh):
+    """A mesh whose axes each span machines (DCN) and ranks within a machine (ICI).
+
+    Axis ``i`` has ``ici_mesh_shape[i] * dcn_mesh_shape[i]`` ranks. The world is cut
+    into ``prod(dcn_mesh_shape)`` consecutive blocks of ``prod(ici_mesh_shape)`` ranks,
+    which under torchrun are the machines when ``prod(ici_mesh_shape)`` is the number of
+    ranks per machine (LOCAL_WORLD_SIZE). The blocks sit on a grid of shape
+    ``dcn_mesh_shape`` and each block is laid out row-major in ``ici_mesh_shape``, so a
+    collective over an axis with ``dcn_mesh_shape[i] == 1`` stays within a machine.
+    """
+
+    ici_mesh_shape: tuple[int, ...]
+    dcn_mesh_shape: tuple[int, ...]
+
+    def __init__(
+        self,
+        *,
+        ici_mesh_shape: Sequence[int],
+        dcn_mesh_shape: Sequence[int] | None = None,
+        axis_names: Sequence[str] | None = None,
+    ) -> None:
+        ici = tuple(int(s) for s in ici_mesh_shape)
+        dcn = (1,) * len(ici) if dcn_mesh_shape is None else tuple(int(s) for s in dcn_mesh_shape)
+        if len(ici) != len(dcn):
+            raise MeshError(
+                f"ici_mesh_shape {ici} and dcn_mesh_shape {dcn} must have one size per axis"
+            )
+        if any(s <= 0 for s in ici + dcn):
+            raise MeshError(f"ici_mesh_shape {ici} / dcn_mesh_shape {dcn} must be positive")
+        num_blocks, block = int(np.prod(dcn)), int(np.prod(ici))
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if num_blocks > 1 and local and int(local) != block:
+            raise MeshError(
+                f"dcn_mesh_shape {dcn} asks for {num_blocks} machines of "
+                f"prod(ici_mesh_shape) = {block} ranks, but each machine runs "
+                f"LOCAL_WORLD_SIZE={local} ranks; make prod(ici_mesh_shape) {local}"
+            )
+        self.ici_mesh_shape = ici
+        self.dcn_mesh_shape = dcn
+        grid = _hybrid_grid(ici, dcn)
+        super().__init__(grid.reshape(-1), grid.shape, axis_names)
+
+
+def _hybrid_grid(ici: tuple[int, ...], dcn: tuple[int, ...]) -> np.ndarray:
+    """Ranks on the hybrid mesh: block ``b`` (row-major in ``dcn``) holds ranks
+    ``b * prod(ici) ...``, laid out row-major in ``ici`` inside its tile of the grid."""
+    block = int(np.prod(ici))
+    grid = np.empty(tuple(i * d for i, d in zip(ici, dcn)), dtype=np.int64)
+    for coord in np.ndindex(*grid.shape):
+        outer = tuple(c // i for c, i in zip(coord, ici))
+        inner = tuple(c % i for c, i in zip(coord, ici))
+        grid[coord] = int(np.ravel_multi_index(outer, dcn)) * block + int(
+            np.ravel_multi_index(inner, ici)
+        )
+    return grid

@@ -34,7 +34,7 @@ class Placement:
 
     @classmethod
     def from_user(cls, mesh: Mesh, spec: PartitionSpec, ndim: int) -> Placement:
-        return cls(mesh, normalize_spec(spec, mesh.axis_names, ndim))
+        return cls(mesh, normalize_spec(spec, mesh.axis_labels, ndim))
 
     @classmethod
     def replicated(cls, mesh: Mesh, ndim: int) -> Placement:
@@ -42,7 +42,7 @@ class Placement:
 
     @property
     def user_spec(self) -> tuple:
-        return spec_to_user(self.spec, self.mesh.axis_names)
+        return spec_to_user(self.spec, self.mesh.axis_labels)
 
     @property
     def partial_axes(self) -> tuple[int, ...]:

@@ -97,7 +97,7 @@ def redistribute_local(
     local, src = _resolve_partial(local, src, dst)
     if src.spec == dst.spec:
         return local
-    ranks = list(range(mesh.size))
+    ranks = list(range(mesh.size()))
     src_boxes = {r: src.box_of_rank(global_shape, r) for r in ranks}
     dst_boxes = {r: dst.box_of_rank(global_shape, r) for r in ranks}
     me = runtime.global_ordinal()
@@ -105,6 +105,10 @@ def redistribute_local(
 
     # 1. local slicing
     if all(src_boxes[r].contains(dst_boxes[r]) for r in ranks):
+        if my_dst.is_empty():
+            # an empty box has no position inside the old one: slicing could give the
+            # wrong shape, e.g. (0, 0) for a (1, 0) shard
+            return local.new_empty(my_dst.sizes)
         return local[my_dst.relative_to(my_src)].clone()
 
     out = torch.empty(my_dst.sizes, dtype=local.dtype, device=local.device)

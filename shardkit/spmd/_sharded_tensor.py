@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import dis
+import functools
+import sys
+import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from types import EllipsisType
 
 import torch
 
@@ -12,7 +19,49 @@ from ._placement import Placement
 from ._redistribute import redistribute_local
 from .layout import Box, PartitionSpec
 
-__all__ = ["ShardedTensor", "mark_sharding", "clear_sharding", "keep_grad_placement"]
+__all__ = [
+    "ShardedTensor",
+    "ShardingType",
+    "XLAShard",
+    "mark_sharding",
+    "mark_sharding_with_gradients",
+    "clear_sharding",
+    "keep_grad_placement",
+]
+
+
+class ShardingType(IntEnum):
+    """How a tensor is laid out, with torch_xla's names and values."""
+
+    REPLICATED = 0
+    MAXIMAL = 1
+    TUPLE = 2
+    TILED = 3
+    MANUAL = 4
+    PARTIAL = 5
+    UNKNOWN = 6
+
+
+@dataclass
+class XLAShard:
+    """One shard of a :class:`ShardedTensor` on this process (torch_xla's ``XLAShard``).
+
+    ``data`` is a detached copy, padded with zeros to the size of the largest shard as
+    XLA pads; ``indices`` are its slices of the global tensor (``...`` when the tensor is
+    replicated); ``unpadded_data`` drops the padding.
+    """
+
+    data: torch.Tensor
+    indices: EllipsisType | list[slice]
+    shard_device: str
+    replica_id: int
+
+    @property
+    def unpadded_data(self) -> torch.Tensor:
+        """``data`` without the padding."""
+        if self.indices is Ellipsis:
+            return self.data
+        return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -113,6 +162,77 @@ class ShardedTensor(torch.Tensor):
     def placement(self) -> Placement:
         return self._placement
 
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The mesh's shape (torch_xla's ``XLAShardedTensor.mesh_shape``)."""
+        return self._placement.mesh.mesh_shape
+
+    @property
+    def global_tensor(self) -> torch.Tensor:
+        """The whole tensor, detached (torch_xla's attribute); a collective: call it on
+        every rank. Use :meth:`full_tensor` to keep the autograd graph."""
+        return self.full_tensor().detach()
+
+    @property
+    def sharding_type(self) -> ShardingType:
+        """MAXIMAL on one device, REPLICATED when no dim is split, TILED when every mesh
+        axis of size > 1 splits a dim, PARTIAL when the shards are also replicated."""
+        mesh = self._placement.mesh
+        used = {a for axes in self._placement.spec for a in axes}
+        if mesh.size() == 1:
+            return ShardingType.MAXIMAL
+        if not used:
+            return ShardingType.REPLICATED
+        if all(a in used for a, n in enumerate(mesh.mesh_shape) if n > 1):
+            return ShardingType.TILED
+        return ShardingType.PARTIAL
+
+    @property
+    def local_shards(self) -> list[XLAShard]:
+        """This process's shard as torch_xla's ``local_shards`` (one device per process).
+
+        Pending sums are resolved first (a collective when there are any).
+        """
+        from .. import runtime
+
+        placement = self._placement.without_partial()
+        local = _local_under(self, placement).detach()
+        kind = self.sharding_type
+        rank = runtime.global_ordinal()
+        device = f"{local.device.type.upper()}:{rank}"
+        if kind in (ShardingType.REPLICATED, ShardingType.MAXIMAL):
+            replica = rank if kind is ShardingType.REPLICATED else 0
+            return [XLAShard(local.clone(), Ellipsis, device, replica)]
+        box = placement.box(self.shape)
+        largest = placement.box(self.shape, (0,) * self.mesh.ndim).sizes
+        data = local.new_zeros(largest)
+        data[tuple(slice(0, n) for n in box.sizes)] = local
+        replica = 0 if kind is ShardingType.TILED else self.replica_rank()
+        return [XLAShard(data, list(box.slices()), device, replica)]
+
+    def load_local_shards_(self, shards: Sequence[XLAShard]) -> None:
+        """Write this process's shard back from :attr:`local_shards`-style shards."""
+        placement = self._placement.without_partial()
+        box = placement.box(self.shape)
+        whole = self.sharding_type in (ShardingType.REPLICATED, ShardingType.MAXIMAL)
+        mine = None if whole else list(box.slices())
+        for shard in shards:
+            indices = None if shard.indices is Ellipsis else list(shard.indices)
+            if indices == mine:
+                value = shard.unpadded_data
+                if tuple(value.shape) != box.sizes:
+                    raise ValueError(
+                        f"shard data of shape {tuple(value.shape)} does not fit this rank's "
+                        f"shard {box.sizes}"
+                    )
+                self._local_tensor = value.to(self.dtype).clone()
+                self._placement = placement
+                return
+        raise ValueError(
+            f"none of the {len(shards)} shards has this rank's indices "
+            f"{'...' if mine is None else mine}; pass the shards local_shards returned here"
+        )
+
     def local_tensor(self) -> torch.Tensor:
         """This rank's shard (differentiable). Pending partial reductions are not applied."""
         return _ToLocal.apply(self)
@@ -207,12 +327,66 @@ def _local_under(st: ShardedTensor, placement: Placement) -> torch.Tensor:
     return redistribute_local(st._local_tensor, st.shape, st._placement, placement)
 
 
+_WARNED_SITES: set[tuple[str, int]] = set()
+
+
+def _result_discarded() -> tuple[str, int] | None:
+    """``(file, line)`` of the code that called mark_sharding when it drops the call's result (a bare
+    ``xs.mark_sharding(t, ...)`` statement, as torch_xla code writes it), else None.
+
+    Reads the caller's bytecode: the instruction after the call is ``POP_TOP``.
+    """
+    try:
+        frame = sys._getframe(3)
+        if _pops_result(frame.f_code, frame.f_lasti):
+            return frame.f_code.co_filename, frame.f_lineno
+    except (ValueError, AttributeError):  # no such frame, or an unusual interpreter
+        return None
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _pops_result(code, lasti: int) -> bool:
+    for ins in dis.get_instructions(code):
+        if ins.offset > lasti:
+            return ins.opname == "POP_TOP"
+    return False
+
+
+def _warn_if_discarded(t: torch.Tensor) -> None:
+    site = _result_discarded()
+    if site is None or site in _WARNED_SITES:
+        return
+    _WARNED_SITES.add(site)
+    fix = (
+        "for a module's parameters, shard them in place with "
+        "xs.shard_module(module, mesh, {name_pattern: spec}) (it keeps tied weights)"
+        if isinstance(t, torch.nn.Parameter)
+        else "assign the result: t = xs.mark_sharding(t, mesh, spec)"
+    )
+    warnings.warn(
+        f"{site[0]}:{site[1]}: the result of xs.mark_sharding is discarded, so the tensor "
+        "stays unsharded. Unlike torch_xla, shardkit cannot annotate a tensor in place: "
+        f"mark_sharding returns a new ShardedTensor; {fix}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) -> ShardedTensor:
     """Shard a tensor that every rank holds in full; each rank keeps only its slice.
 
+    Returns a new tensor and leaves ``t`` as it is (torch_xla annotates ``t`` in place):
+    assign the result. A bare ``xs.mark_sharding(t, ...)`` statement warns once per line.
     A leaf tensor (such as a parameter) gives a leaf ShardedTensor with the same
     ``requires_grad``; otherwise gradients flow back to ``t``.
     """
+    out = _mark_sharding(t, mesh, partition_spec)
+    _warn_if_discarded(t)
+    return out
+
+
+def _mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) -> ShardedTensor:
     if isinstance(t, ShardedTensor):
         return t.redistribute(partition_spec, mesh)
     if not isinstance(t, torch.Tensor):
@@ -228,6 +402,43 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
         return st
     replicated = _FromLocal.apply(t, Placement.replicated(mesh, t.ndim), tuple(t.shape))
     return _Redistribute.apply(replicated, placement)
+
+
+class _WithGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, st, dst):
+        ctx.dst = dst
+        local = redistribute_local(st._local_tensor, st.shape, st._placement, dst)
+        return ShardedTensor(local, dst, st.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dst = ctx.dst.without_partial()
+        return ShardedTensor(_local_under(grad, dst), dst, grad.shape), None
+
+
+def mark_sharding_with_gradients(
+    t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec
+) -> ShardedTensor:
+    """Like :func:`mark_sharding` for intermediate tensors, and the gradient that flows
+    back through the result keeps the same sharding (torch_xla's API of that name).
+
+    When ``t`` is a ShardedTensor its gradient arrives sharded by ``partition_spec``;
+    a plain ``t`` is whole on every rank, so its gradient arrives whole.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(
+            f"mark_sharding_with_gradients expects a torch.Tensor, got {type(t).__name__}"
+        )
+    if not isinstance(t, ShardedTensor):
+        t = _FromLocal.apply(t, Placement.replicated(mesh, t.ndim), tuple(t.shape))
+    elif mesh != t.mesh:
+        raise ValueError(
+            f"mark_sharding_with_gradients: the tensor lives on {t.mesh}, not on {mesh}; "
+            "gather it with full_tensor() first"
+        )
+    dst = Placement.from_user(mesh, partition_spec, t.ndim)
+    return _WithGradients.apply(t, dst)
 
 
 def keep_grad_placement(param: ShardedTensor) -> None:

@@ -49,9 +49,9 @@ class SpmdFullyShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         for axis in (shard_axis, extra_data_axis):
-            if axis is not None and axis not in mesh.axis_names:
+            if axis is not None and axis not in mesh.axis_labels:
                 raise ValueError(
-                    f"mesh axis {axis!r} not in the mesh's axes {mesh.axis_names}; "
+                    f"mesh axis {axis!r} not in the mesh's axes {mesh.axis_labels}; "
                     f"build the mesh with an axis named {axis!r} or pass shard_axis="
                 )
         if extra_data_axis == shard_axis:

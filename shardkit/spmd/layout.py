@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
 
+from ._errors import PartitionSpecError, PartitionSpecTypeError
+
 __all__ = [
     "Box",
     "SpecEntry",
@@ -99,34 +101,48 @@ class Box:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 
 
-def _axis_index(entry: str | int, axis_names: Sequence[str], spec: PartitionSpec) -> int:
+def _axis_index(entry: str | int, axis_names: Sequence[str | int], spec: PartitionSpec) -> int:
     if isinstance(entry, bool) or not isinstance(entry, (str, int)):
-        raise TypeError(
-            f"partition spec {tuple(spec)!r}: entry {entry!r} must be a mesh axis name, "
-            "an axis index, None or a tuple of axes"
+        raise PartitionSpecTypeError(
+            f"partition spec {tuple(spec)!r}: entry {entry!r} of type {type(entry).__name__} "
+            "is not allowed; use a mesh axis name, an axis index, None or a tuple of axes"
         )
     if isinstance(entry, str):
         if entry not in axis_names:
-            raise ValueError(
-                f"partition spec {tuple(spec)!r} names unknown mesh axis {entry!r}; "
-                f"the mesh axes are {tuple(axis_names)}"
+            hint = (
+                "the mesh has no axis names: give Mesh(..., axis_names=...) or use axis indices"
+                if all(isinstance(n, int) for n in axis_names)
+                else f"the mesh axes are {tuple(axis_names)}"
+            )
+            raise PartitionSpecError(
+                f"partition spec {tuple(spec)!r} names unknown mesh axis {entry!r}; {hint}"
             )
         return list(axis_names).index(entry)
     if not 0 <= entry < len(axis_names):
-        raise ValueError(
+        raise PartitionSpecError(
             f"partition spec {tuple(spec)!r} uses mesh axis index {entry}, but the mesh has "
             f"{len(axis_names)} axes {tuple(axis_names)}; use an index in 0..{len(axis_names) - 1}"
         )
     return entry
 
 
-def normalize_spec(spec: PartitionSpec, axis_names: Sequence[str], ndim: int) -> NormalizedSpec:
-    """Validate a user partition spec and turn it into mesh-axis indices per dim."""
+def normalize_spec(
+    spec: PartitionSpec, axis_names: Sequence[str | int], ndim: int
+) -> NormalizedSpec:
+    """Validate a user partition spec and turn it into mesh-axis indices per dim.
+
+    ``axis_names`` are the mesh's axis labels (its names, or its axis indices when it
+    has none). Mistakes raise :class:`PartitionSpecError` (a ValueError and an
+    AssertionError, as torch_xla raises one or the other).
+    """
     if isinstance(spec, (str, int)) or spec is None:
-        raise TypeError(f"partition spec must be a tuple with one entry per dim, got {spec!r}")
+        raise PartitionSpecTypeError(
+            f"partition spec must be a tuple with one entry per dim, got {spec!r}; "
+            f"e.g. ({spec!r}, None) for a 2-d tensor"
+        )
     spec = tuple(spec)
     if len(spec) != ndim:
-        raise ValueError(
+        raise PartitionSpecError(
             f"partition spec {spec!r} has {len(spec)} entries but the tensor has {ndim} dims; "
             "give one entry per dim (None for a replicated dim)"
         )
@@ -137,10 +153,15 @@ def normalize_spec(spec: PartitionSpec, axis_names: Sequence[str], ndim: int) ->
             out.append(())
             continue
         entries = entry if isinstance(entry, tuple) else (entry,)
+        if isinstance(entry, tuple) and any(isinstance(e, tuple) for e in entry):
+            raise PartitionSpecError(
+                f"partition spec {spec!r}: entry {entry!r} nests tuples; a dim's entry is one "
+                "axis or a flat tuple of axes"
+            )
         axes = tuple(_axis_index(e, axis_names, spec) for e in entries)
         for axis in axes:
             if axis in seen:
-                raise ValueError(
+                raise PartitionSpecError(
                     f"partition spec {spec!r} uses mesh axis {axis_names[axis]!r} twice "
                     f"(dims {seen[axis]} and {dim}); a mesh axis can shard at most one dim"
                 )
@@ -149,7 +170,7 @@ def normalize_spec(spec: PartitionSpec, axis_names: Sequence[str], ndim: int) ->
     return tuple(out)
 
 
-def spec_to_user(spec: NormalizedSpec, axis_names: Sequence[str]) -> tuple[SpecEntry, ...]:
+def spec_to_user(spec: NormalizedSpec, axis_names: Sequence[str | int]) -> tuple[SpecEntry, ...]:
     """The readable form of a normalized spec: names, ``None`` and tuples."""
     user: list[SpecEntry] = []
     for axes in spec:

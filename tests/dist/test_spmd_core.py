@@ -64,7 +64,7 @@ def _redistribution_matrix():
     with xs.count_collectives() as counts:
         xs.mark_sharding(full, mesh, ("data", None, None)).full_tensor()
     gather_kinds = {kind for kind, _ in counts.calls}
-    return failures, replicated_to_sharded_calls, gather_kinds, mesh.size
+    return failures, replicated_to_sharded_calls, gather_kinds, mesh.size()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

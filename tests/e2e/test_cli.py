@@ -90,13 +90,13 @@ def ckpts(tmp_path_factory):
 
 def test_inspect_table_and_json(ckpts):
     table = shardkit("ckpt", "inspect", ckpts["sharded"]).stdout
-    assert "world size     2 (at save)" in table and "format version 1" in table
+    assert "world size     2 (at save)" in table and "format version 2" in table
     row = next(line.split() for line in table.splitlines() if line.startswith("model.w "))
     assert row[:4] == ["model.w", "float32", "6x4", "2"]  # saved by 2 ranks: 2 chunks
     assert "step = 7" in table
     info = json.loads(shardkit("ckpt", "inspect", "--json", f"file://{ckpts['sharded']}").stdout)
     md = dist_cp.read_metadata(str(ckpts["sharded"]))
-    assert info["world_size"] == 2 and info["format_version"] == 1
+    assert info["world_size"] == 2 and info["format_version"] == 2
     assert info["created"] == md.created and info["values"] == {"step": 7}
     assert info["tensors"]["model.w"] == {
         "dtype": "float32",
@@ -128,7 +128,7 @@ def test_verify_ok_then_corrupt_names_file_key_and_chunk(ckpts, tmp_path):
     # a truncated file is named too, and the other commands refuse the corrupt data
     path.write_bytes(bytes(data[:-8]))
     one_line_error(shardkit("ckpt", "verify", bad, ok=(1,)), chunk.file, "truncated")
-    one_line_error(shardkit("ckpt", "diff", bad, ckpts["sharded"], ok=(2,)), chunk.file)
+    one_line_error(shardkit("ckpt", "diff", bad, ckpts["sharded"], ok=(3,)), chunk.file)
 
 
 def test_ls_lists_manager_steps_with_times_and_sizes(tmp_path):
@@ -210,7 +210,7 @@ def test_bad_inputs_give_one_line_and_debug_gives_traceback(ckpts, tmp_path):
     bad = tmp_path / "badmeta"
     bad.mkdir()
     (bad / "metadata.json").write_text("{not json")
-    one_line_error(shardkit("ckpt", "inspect", bad, ok=(2,)), "not valid JSON")
+    one_line_error(shardkit("ckpt", "inspect", bad, ok=(3,)), "not valid JSON")  # damaged
     # wrong formats
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"hello world, not a checkpoint")

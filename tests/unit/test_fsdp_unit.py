@@ -438,3 +438,54 @@ def test_two_forwards_then_one_backward(zero3):
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=0)
     assert not any(u._state.materialized for u in _units(model))
+
+
+def test_state_dict_values_are_row_shards_that_pickle_as_rows(tmp_path):
+    import io
+
+    from shardkit.spmd import ShardedTensor
+
+    model = FSDP(_net(), auto_wrap_policy=BLOCK_POLICY)
+    sd = model.state_dict()
+    assert isinstance(sd["module.inp.weight"], ShardedTensor)
+    assert type(sd["module.gate"]) is torch.Tensor and type(sd["module.shift"]) is torch.Tensor
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert type(loaded["module.inp.weight"]) is torch.Tensor
+    assert torch.equal(loaded["module.inp.weight"], sd["module.inp.weight"].local_tensor())
+    copied = copy.deepcopy(sd)["module.inp.weight"]
+    assert copied.local_tensor().data_ptr() != sd["module.inp.weight"].local_tensor().data_ptr()
+    # inside a plain parent, keys get the parent's prefix and still load
+    parent = nn.Sequential(FSDP(_net(seed=3), auto_wrap_policy=BLOCK_POLICY))
+    parent.load_state_dict({"0." + k: v for k, v in sd.items()})
+    assert torch.equal(
+        parent[0].state_dict()["module.inp.weight"].local_tensor(), loaded["module.inp.weight"]
+    )
+    assert "0.module.inp.weight" in parent.state_dict()
+
+
+def test_dtype_change_after_a_step_regathers():
+    model = FSDP(_net(), auto_wrap_policy=BLOCK_POLICY)
+    _train(model, steps=1)
+    model.double()
+    out = model(torch.randn(2, 5, dtype=torch.float64))
+    out.sum().backward()
+    assert out.dtype == torch.float64
+    assert all(p.grad.dtype == torch.float64 for p in model.parameters() if p.grad is not None)
+
+
+def test_meta_model_without_reset_parameters_is_named():
+    class Bare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(3, 2, device="meta"))
+
+        def forward(self, x):
+            return x @ self.w.t()
+
+    with pytest.raises(ValueError, match="Bare.*param_init_fn"):
+        FSDP(Bare())
+    model = FSDP(Bare(), param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False))
+    assert not model.module.w.is_meta

@@ -14,6 +14,7 @@ import torch
 
 from .._core._format import decode_value, encode_value, is_json_value
 from .._core._save import save
+from ._dcp_safe import load_dcp_metadata, safe_dcp_planner, safe_dcp_reader
 from ._io import (
     VALUES_KEY,
     SafetensorsStreamWriter,
@@ -159,8 +160,10 @@ def to_safetensors(
                     writer.write(key, tensor)
                 bar.update(len(batch))
                 del batch  # its buffer is reused for the next batch
-    finally:
-        writer.close()
+    except BaseException:
+        writer.abort()  # report the real cause (a checksum error...), not "incomplete"
+        raise
+    writer.close()
 
 
 def from_safetensors(
@@ -200,8 +203,10 @@ def import_torch_dcp(
 ) -> None:
     """Convert a checkpoint written by ``torch.distributed.checkpoint`` to a shardkit one.
 
-    Only for checkpoints you trust: torch's metadata file (and any non-tensor value in the
-    checkpoint) is a pickle, and reading it runs code. Tensors are read full, one at a time,
+    torch's metadata file is a pickle: it is read with a restricted unpickler that builds
+    only DCP's metadata classes and plain values, so no code from the file runs (anything
+    else raises CorruptCheckpointError); non-tensor values are read with
+    ``torch.load(weights_only=True)``. Tensors are read full, one at a time,
     with torch's own ``FileSystemReader`` (local directories only) and streamed into a
     temporary local safetensors file, which is then saved from its memory map; keys stay
     torch's (nested dicts as dotted keys). Non-tensor
@@ -210,7 +215,6 @@ def import_torch_dcp(
     """
     check_progress(progress)
     import torch.distributed.checkpoint as tdcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     source = os.fspath(torch_dcp_dir)
@@ -220,21 +224,22 @@ def import_torch_dcp(
             "checkpoint to a local directory first (the shardkit output may be any URL)"
         )
     source = source.removeprefix("file://")
-    require_file(os.path.join(source, ".metadata"), "torch DCP metadata file")
-    reader = tdcp.FileSystemReader(source)
-    md = reader.read_metadata()
+    md = load_dcp_metadata(source)  # restricted unpickler: no code from the file runs
+    reader = safe_dcp_reader(source, md)
     tensor_keys = [
         k for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
     ]
     other_keys = [k for k in md.state_dict_metadata if k not in set(tensor_keys)]
 
     def read(state: dict[str, Any]) -> None:
-        tdcp.load(
-            state,
-            storage_reader=reader,
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-            no_dist=True,
-        )
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            tdcp.load(state, storage_reader=reader, planner=safe_dcp_planner(), no_dist=True)
+        except CheckpointException as exc:  # a BaseException: unwrap the rank's own error
+            for inner, _ in exc.failures.values():
+                raise inner from None
+            raise
 
     values: dict[str, Any] = {}
     if other_keys:
@@ -263,6 +268,8 @@ def import_torch_dcp(
                     writer.write(key, one[key])
                     del one
                     bar.update(1)
-        finally:
-            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
         from_safetensors(staged, checkpoint_id, progress=False)

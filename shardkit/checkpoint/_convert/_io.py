@@ -7,6 +7,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import sys
 import warnings
@@ -22,6 +23,7 @@ from .._core._format import Metadata, safetensors_dtype
 from .._core._load import load, load_with_metadata
 from .._core._planner import DefaultLoadPlanner
 from .._core._storage import FileSystemReader
+from .._core._validate import MAX_HEADER_BYTES, check_files
 
 __all__ = [
     "check_progress",
@@ -115,7 +117,11 @@ def checkpoint_metadata(checkpoint_id: str | os.PathLike) -> tuple[Metadata, _Ca
             f"no committed shardkit checkpoint at {os.fspath(checkpoint_id)!r} (its "
             "metadata.json is missing: wrong path, or the save never committed)"
         ) from None
-    return Metadata.from_json(raw, f"{os.fspath(checkpoint_id)}/metadata.json"), reader
+    metadata = Metadata.from_json(raw, f"{os.fspath(checkpoint_id)}/metadata.json")
+    # every declared byte must be backed by a file of the recorded size (and header) before
+    # anything is allocated or written from the declared shapes
+    check_files(reader, metadata, set(metadata.files), {})
+    return metadata, reader
 
 
 _ALIGN = 64
@@ -253,6 +259,45 @@ class SafetensorsStreamWriter:
         finally:
             self._file.close()
 
+    def abort(self) -> None:
+        """Close the file after a failure, without an error of its own (the caller's error
+        is the one to report; the caller removes the partial file)."""
+        self._file.close()
+
+
+def _open_regular(path: str):
+    """Open a local file for reading: never blocks on a FIFO, refuses anything but a
+    regular file (a FIFO, a device such as /dev/zero, a directory)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO or device?)")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _entry(name: str, key: str, info: Any) -> tuple:
+    """``(shape, dtype, start, end)`` of one header entry, every field checked."""
+
+    def ints(value: Any) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        )
+
+    if not isinstance(info, dict):
+        raise CorruptCheckpointError(f"{name}: key {key!r}: header entry is not an object")
+    dtype = _ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+    if dtype is None:
+        raise CorruptCheckpointError(
+            f"{name}: key {key!r} has unsupported dtype {info.get('dtype')!r:.40}"
+        )
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not ints(shape) or not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise CorruptCheckpointError(
+            f"{name}: key {key!r}: bad shape {shape!r:.60} or data_offsets {offsets!r:.60}"
+        )
+    return tuple(shape), dtype, offsets[0], offsets[1]
+
 
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of a safetensors file, and its ``__metadata__``.
@@ -261,7 +306,7 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     remote files are read whole.
     """
     if is_local(path):
-        with open(_local(path), "rb") as f:
+        with _open_regular(_local(path)) as f:
             buf: Any = (
                 mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                 if os.fstat(f.fileno()).st_size
@@ -274,26 +319,29 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     if len(buf) < 8:
         raise CorruptCheckpointError(f"{name}: too short to be a safetensors file")
     (hlen,) = struct.unpack("<Q", buf[:8])
+    if hlen > MAX_HEADER_BYTES:
+        raise CorruptCheckpointError(
+            f"{name}: header length {hlen} is more than the {MAX_HEADER_BYTES} bytes allowed"
+        )
     if 8 + hlen > len(buf):
         raise CorruptCheckpointError(f"{name}: header length {hlen} runs past the end of the file")
     try:
         header = json.loads(bytes(buf[8 : 8 + hlen]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpointError(f"{name}: safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{name}: safetensors header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
-    base, tensors = 8 + hlen, {}
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"{name}: safetensors __metadata__ is not an object")
+    base, tensors, spans = 8 + hlen, {}, []
     for key, info in header.items():
-        dtype = _ST_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise CorruptCheckpointError(
-                f"{name}: key {key!r} has unsupported dtype {info.get('dtype')!r}"
-            )
-        shape = tuple(int(s) for s in info["shape"])
-        start, end = (int(x) for x in info["data_offsets"])
+        shape, dtype, start, end = _entry(name, key, info)
         if end - start != math.prod(shape) * dtype.itemsize or base + end > len(buf):
             raise CorruptCheckpointError(
                 f"{name}: key {key!r} byte range {start}..{end} is inconsistent"
             )
+        spans.append((start, end, key))
         if start == end:
             tensors[key] = torch.empty(shape, dtype=dtype)
             continue
@@ -301,4 +349,8 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         if (base + start) % dtype.itemsize:
             raw = raw.clone()  # keep element access aligned
         tensors[key] = raw.view(dtype).reshape(shape)
+    spans.sort()
+    for (_, a_end, a_key), (b_start, _, b_key) in zip(spans, spans[1:]):
+        if b_start < a_end:  # shared bytes would multiply what a conversion writes
+            raise CorruptCheckpointError(f"{name}: keys {a_key!r} and {b_key!r} overlap")
     return tensors, meta

@@ -21,7 +21,10 @@ from ._errors import CorruptCheckpointError
 __all__ = ["Metadata", "TensorMeta", "ChunkMeta", "ObjectMeta"]
 
 FORMAT_NAME = "shardkit.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this shardkit reads: 1 (no metadata checksum) and 2 (sealed metadata, checked
+#: safetensors headers).
+READ_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 #: Target bytes covered by one checksum: a partial read verifies whole blocks only.
 BLOCK_BYTES = 4 << 20
@@ -212,6 +215,9 @@ class Metadata:
     files: dict[str, int] = field(default_factory=dict)
     version: int = FORMAT_VERSION
     created: str = ""
+    #: data file name -> the exact safetensors header bytes it must start with (version 2;
+    #: filled by the reader's validation, never written).
+    headers: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
 
     def keys(self) -> list[str]:
         """Every saved key: tensors, JSON values and pickled objects."""
@@ -264,56 +270,82 @@ class Metadata:
                 for key, o in self.objects.items()
             },
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        if self.version < 2:
+            return body
+        from ._validate import seal_metadata
+
+        return seal_metadata(body)
 
     @classmethod
     def from_json(cls, raw: bytes, source: str = METADATA_FILE) -> Metadata:
-        """Parse a metadata file; any malformed content is a CorruptCheckpointError."""
-        try:
-            doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CorruptCheckpointError(f"{source}: not valid JSON ({exc})") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise CorruptCheckpointError(f"{source}: not a shardkit checkpoint metadata file")
-        version = doc.get("version")
-        if version != FORMAT_VERSION:
-            raise CorruptCheckpointError(
-                f"{source}: unknown format version {version!r}; this shardkit reads version "
-                f"{FORMAT_VERSION}. Upgrade shardkit to load it"
-            )
+        """Parse and validate a metadata file (checksum, bounds, chunk tiling, file names);
+        any malformed content is a CorruptCheckpointError naming the file and the key."""
+        from ._validate import parse_metadata
+
+        return parse_metadata(raw, source)
+
+    @classmethod
+    def from_doc(cls, doc: dict, source: str) -> Metadata:
+        """Build from a parsed JSON document whose format and version were checked."""
+        where = "the header"
         try:
             tensors = {}
             for key, t in doc["tensors"].items():
+                where = f"key {key!r}"
                 chunks = tuple(
                     ChunkMeta(
-                        box=Box(tuple(c["offsets"]), tuple(c["sizes"])),
-                        file=str(c["file"]),
-                        name=str(c["name"]),
-                        offset=int(c["offset"]),
-                        nbytes=int(c["nbytes"]),
-                        block_rows=int(c["block_rows"]),
-                        checksums=tuple(c["xxh3_64"]),
+                        box=Box(
+                            tuple(_int(o) for o in c["offsets"]), tuple(_int(s) for s in c["sizes"])
+                        ),
+                        file=_str(c["file"]),
+                        name=_str(c["name"]),
+                        offset=_int(c["offset"]),
+                        nbytes=_int(c["nbytes"]),
+                        block_rows=_int(c["block_rows"]),
+                        checksums=tuple(_str(h) for h in c["xxh3_64"]),
                     )
                     for c in t["chunks"]
                 )
                 tensors[key] = TensorMeta(
                     dtype_from_name(t["dtype"], f"{source} key {key!r}"),
-                    tuple(int(s) for s in t["shape"]),
+                    tuple(_int(s) for s in t["shape"]),
                     chunks,
                 )
-            objects = {
-                key: ObjectMeta(str(o["file"]), int(o["offset"]), int(o["nbytes"]), o["xxh3_64"])
-                for key, o in doc["objects"].items()
-            }
+            objects = {}
+            for key, o in doc["objects"].items():
+                where = f"object {key!r}"
+                objects[key] = ObjectMeta(
+                    _str(o["file"]), _int(o["offset"]), _int(o["nbytes"]), _str(o["xxh3_64"])
+                )
+            where = "values"
+            values = {k: decode_value(v) for k, v in doc["values"].items()}
+            where = "files"
+            files = {_str(k): _int(v) for k, v in doc["files"].items()}
+            where = "the header"
             return cls(
-                save_id=str(doc["save_id"]),
-                world_size=int(doc["world_size"]),
+                save_id=_str(doc["save_id"]),
+                world_size=_int(doc["world_size"]),
                 tensors=tensors,
-                values={k: decode_value(v) for k, v in doc["values"].items()},
+                values=values,
                 objects=objects,
-                files={str(k): int(v) for k, v in doc["files"].items()},
-                version=version,
+                files=files,
+                version=doc["version"],
                 created=str(doc.get("created", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptCheckpointError(f"{source}: malformed metadata ({exc!r})") from None
+            raise CorruptCheckpointError(
+                f"{source}: malformed metadata at {where} ({type(exc).__name__}: {exc})"
+            ) from None
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r:.40}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r:.40}")
+    return value

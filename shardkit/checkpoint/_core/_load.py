@@ -15,6 +15,7 @@ from ._format import METADATA_FILE, Metadata
 from ._planner import DefaultLoadPlanner, LoadPlanner
 from ._read_chunks import LocalFiles, chunk_label, read_items
 from ._storage import FileSystemReader, StorageReader
+from ._validate import check_files, where
 
 __all__ = ["load", "read_metadata", "is_committed"]
 
@@ -37,10 +38,10 @@ def _metadata(reader: StorageReader) -> Metadata:
         raw = reader.read_metadata()
     except (FileNotFoundError, NotADirectoryError):
         raise CheckpointError(
-            f"no committed checkpoint at {reader!r}: {METADATA_FILE} is missing (never saved, "
+            f"no committed checkpoint at {where(reader)}: {METADATA_FILE} is missing (never saved, "
             "or the save was interrupted before its commit)"
         ) from None
-    return Metadata.from_json(raw, f"{reader!r}/{METADATA_FILE}")
+    return Metadata.from_json(raw, f"{where(reader)}/{METADATA_FILE}")
 
 
 def read_metadata(
@@ -51,26 +52,16 @@ def read_metadata(
 
 
 def _check_files(reader: StorageReader, metadata: Metadata, names: set[str], why: dict) -> None:
-    for name in sorted(names):
-        expected = metadata.files.get(name)
-        try:
-            size = reader.file_size(name)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"{reader!r}: file {name} is missing; it holds {why.get(name, 'data')}"
-            ) from None
-        if size != expected:
-            raise CorruptCheckpointError(
-                f"{reader!r}: file {name} is {size} bytes but the metadata says {expected} "
-                f"(truncated or replaced); it holds {why.get(name, 'data')}"
-            )
+    check_files(reader, metadata, names, why)
 
 
 def is_committed(checkpoint_id: str | os.PathLike, *, storage_options: dict | None = None) -> bool:
     """Whether a complete, committed checkpoint is at ``checkpoint_id``.
 
-    True iff its metadata parses and every file it names exists with the recorded size
-    (checksums are verified on load, not here).
+    True iff its metadata parses and passes every structural check (its own checksum,
+    chunk tiling, plain file names, bounds), and every file it names is a regular file with
+    the recorded size and safetensors header (data checksums are verified on load, not
+    here). A damaged or hostile checkpoint is not committed.
     """
     reader = FileSystemReader(checkpoint_id, storage_options=storage_options)
     try:

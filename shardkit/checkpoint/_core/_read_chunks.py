@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -86,7 +87,7 @@ class LocalFiles:
             return None
         with self._lock:
             if name not in self._maps:
-                with open(self.reader.join(name), "rb") as f:
+                with os.fdopen(self.reader.open_local(name), "rb") as f:  # no symlink, no FIFO
                     self._maps[name] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
             return self._maps[name]
 

@@ -111,7 +111,8 @@ def _refuse_pickle(flat: Flat, planner: SavePlanner) -> None:
 def _assign_files(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
     bins: list[list[WriteItem]] = [[] for _ in range(count)]
     load = [0] * count
-    for item in sorted(items, key=lambda i: -i.nbytes):
+    # empty items go last, by name: a reader rebuilds each file's header in this order
+    for item in sorted(items, key=lambda i: (-i.nbytes, _tensor_name(i))):
         k = min(range(count), key=lambda b: (load[b], b))
         bins[k].append(item)
         load[k] += item.nbytes

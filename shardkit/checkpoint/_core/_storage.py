@@ -7,6 +7,7 @@ them, so a user-written store gets integrity checks for free.
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
@@ -14,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ._errors import CorruptCheckpointError
 from ._format import METADATA_FILE
 
 #: Bytes per write() call: one huge write() stalls far longer in the kernel's dirty-page
@@ -81,7 +83,37 @@ class _FileSystem:
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
 
     def join(self, name: str) -> str:
+        """The path of entry ``name``, which must be a plain file name (no ``/``, ``..``,
+        absolute path or URL): a checkpoint is exactly its directory."""
+        from ._validate import check_name
+
+        check_name(name, f"{self.url}: file")
         return os.path.join(self.root, name) if self.local else f"{self.root}/{name}"
+
+    def open_local(self, name: str) -> int:
+        """A read-only descriptor of local entry ``name``: never through a symlink, never
+        blocking (a FIFO opens at once), and only for a regular file."""
+        path = self.join(name)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise FileNotFoundError(f"{self.url}: {name} does not exist") from None
+            if os.path.islink(path):
+                raise CorruptCheckpointError(
+                    f"{self.url}: {name} is a symbolic link; checkpoint files must be regular "
+                    "files inside the directory"
+                ) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptCheckpointError(
+                f"{self.url}: {name} is not a regular file (a FIFO, device, socket or "
+                "directory); refused"
+            )
+        os.set_blocking(fd, True)
+        return fd
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -154,10 +186,13 @@ class FileSystemWriter(_FileSystem):
     def remove_files(self, names: Sequence[str]) -> None:
         for name in names:
             try:
+                if "/" in name or name in ("", ".", ".."):
+                    continue  # list_files never returns such names; never delete outside
+                path = os.path.join(self.root, name) if self.local else f"{self.root}/{name}"
                 if self.local:
-                    os.remove(self.join(name))
+                    os.remove(path)
                 else:
-                    self.fs.rm_file(self.join(name))
+                    self.fs.rm_file(path)
             except FileNotFoundError:
                 pass
 
@@ -167,7 +202,7 @@ def _write_local(path: str, parts: Iterable, *, exclusive: bool, sync: bool) -> 
 
     ``exclusive`` refuses an existing file (a fresh temporary); otherwise it is truncated.
     """
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
     fd = os.open(path, flags, 0o644)
     try:
         for part in parts:
@@ -216,25 +251,48 @@ class FileSystemReader(_FileSystem):
         self.thread_count = _check_threads(thread_count)
 
     def read_metadata(self) -> bytes:
+        from ._validate import MAX_METADATA_BYTES
+
+        limit = MAX_METADATA_BYTES + 1  # one byte more than allowed: the parser refuses it
         if self.local:
-            with open(self.join(METADATA_FILE), "rb") as f:
-                return f.read()
-        return self.fs.cat_file(self.join(METADATA_FILE))
+            with os.fdopen(self.open_local(METADATA_FILE), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > MAX_METADATA_BYTES:  # refused unread: memory stays bounded
+                    raise CorruptCheckpointError(
+                        f"{self.url}/{METADATA_FILE}: {size} bytes, more than the "
+                        f"{MAX_METADATA_BYTES} a metadata file may have "
+                        "(SHARDKIT_MAX_METADATA_BYTES raises the limit)"
+                    )
+                return f.read(limit)
+        path = self.join(METADATA_FILE)
+        if int(self.fs.size(path)) >= limit:
+            return self.fs.cat_file(path, start=0, end=limit)
+        return self.fs.cat_file(path)
 
     def file_size(self, name: str) -> int:
         if self.local:
-            return os.stat(self.join(name)).st_size
+            path = self.join(name)
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+                raise CorruptCheckpointError(
+                    f"{self.url}: {name} is {kind}; checkpoint files must be regular files "
+                    "inside the directory"
+                )
+            return st.st_size
         return int(self.fs.size(self.join(name)))
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
+        if offset < 0:  # fsspec would read from the end
+            raise EOFError(f"{name}: negative offset {offset}")
         if not self.local:
             data = self.fs.cat_file(self.join(name), start=offset, end=offset + len(out))
             if len(data) != len(out):
                 raise EOFError(f"{name}: {len(data)} of {len(out)} bytes at offset {offset}")
             out[:] = data
             return
-        fd = os.open(self.join(name), os.O_RDONLY)
+        fd = self.open_local(name)
         try:
             pos, done = offset, 0
             while done < len(out):

@@ -48,7 +48,6 @@ class PowerSGDState:
     def __init__(
         self,
         process_group=None,
-        *,
         matrix_approximation_rank: int = 1,
         start_powerSGD_iter: int = 1_000,
         min_compression_rate: float = 2,

@@ -114,7 +114,7 @@ def partial_cost(placement: Placement, shape: Sequence[int], elsize: int) -> int
     mesh = placement.mesh
     group = math.prod(mesh.mesh_shape[a] for a, _ in placement.partial)
     local = placement.box(shape, (0,) * mesh.ndim).numel * elsize
-    return (group - 1) * local * mesh.size // group
+    return (group - 1) * local * mesh.size() // group
 
 
 def move_cost(x, dst: Placement) -> int:
@@ -139,7 +139,7 @@ def _move_cost(shape: tuple, elsize: int, src: Placement, dst: Placement) -> int
     if src.spec == dst.spec:
         return cost
     mesh = src.mesh
-    for rank in range(mesh.size):
+    for rank in range(mesh.size()):
         coord = mesh.coord_of(rank)
         s, d = src.box(shape, coord), dst.box(shape, coord)
         overlap = s.intersect(d)

@@ -247,7 +247,7 @@ def _attention(func, args, kwargs):
     mesh = _mesh(*tensors)
     options = []
     for t in tensors:
-        lead = _spec_of(t)[:2]
+        lead = _gqa_safe(_spec_of(t)[:2], tensors, mesh)
         if lead not in options:
             options.append(lead)
     best = None
@@ -257,13 +257,38 @@ def _attention(func, args, kwargs):
         if best is None or cost < best[0]:
             best = (cost, lead, reqs)
     _, lead, reqs = best
-    outs = func(*[local_under(t, r) for t, r in zip(tensors, reqs)], *rest, **kwargs)
     metas = func(
         *[torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors], *rest, **kwargs
     )
-    return tuple(
-        wrap(o, Placement(mesh, lead + ((),) * (o.ndim - 2)), m.shape) for o, m in zip(outs, metas)
-    )
+    places = [Placement(mesh, lead + ((),) * (m.ndim - 2)) for m in metas]
+    locals_ = [local_under(t, r) for t, r in zip(tensors, reqs)]
+    if any(x.numel() == 0 for x in locals_):
+        # an empty shard (fewer heads or batch rows than ranks): the kernel divides by the
+        # local head count, so never call it with none; every output's shard is empty too
+        device = locals_[0].device
+        outs = [
+            torch.zeros(p.box(m.shape).sizes, dtype=m.dtype, device=device)
+            for p, m in zip(places, metas)
+        ]
+    else:
+        outs = func(*locals_, *rest, **kwargs)
+    return tuple(wrap(o, p, m.shape) for o, p, m in zip(outs, places, metas))
+
+
+def _gqa_safe(lead, tensors, mesh):
+    """``lead`` without its head sharding when query and key/value head counts differ
+    (grouped-query attention) and a rank's query heads would not find their key/value
+    heads locally: only when every head count splits evenly do the groups line up."""
+    axes = lead[1] if len(lead) > 1 else ()
+    heads = {t.shape[1] for t in tensors if t.ndim > 2}
+    if not axes or len(heads) < 2:
+        return lead
+    count = 1
+    for a in axes:
+        count *= mesh.mesh_shape[a]
+    if all(h % count == 0 for h in heads):
+        return lead
+    return (lead[0], ())
 
 
 # -- mean squared error ---------------------------------------------------------------------

@@ -3,7 +3,10 @@
 These are elementwise per list position, so position ``i`` of every list is brought to
 the placement of the first list's tensor ``i`` (normally the parameter) and the op runs
 on the local shards: an optimizer step on sharded parameters never communicates unless
-a gradient arrives with another placement.
+a gradient arrives with another placement. Plain (replicated) tensors next to sharded
+ones are sliced locally to the sharded layout; a plain tensor updated in place stays
+whole. Plain parameters get plain gradients (see ``_dispatch._plain_grad``), so a model
+with only some parameters sharded steps without any collective.
 """
 
 from __future__ import annotations
@@ -24,13 +27,20 @@ def foreach_rule(func, args, kwargs):
     if not lists:
         return NotImplemented
     ref = args[lists[0]]
+    inplace = name.endswith("_")
     placements: list[Placement | None] = []
-    for x in ref:
+    for j, x in enumerate(ref):
         if is_st(x):
             resolve_inplace(x)
             placements.append(x._placement)
-        else:
+        elif inplace:
+            # a plain tensor updated in place must stay whole: its operands come whole
             placements.append(None)
+        else:
+            # out of place, a plain (replicated) operand is sliced to the first sharded
+            # operand's layout: no collective
+            other = next((a[j] for a in (args[i] for i in lists) if is_st(a[j])), None)
+            placements.append(None if other is None else other._placement.without_partial())
     new_args = list(args)
     for i, a in enumerate(args):
         if isinstance(a, (list, tuple)):

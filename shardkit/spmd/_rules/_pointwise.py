@@ -107,7 +107,9 @@ def pointwise_rule(func, args, kwargs):
     inplace = is_inplace(func)
     first = args[0]
     if inplace:
-        if not is_st(first) or tuple(first.shape) != out_shape:
+        if not is_st(first) and isinstance(first, torch.Tensor):
+            return _into_plain(func, flat, tree, sts, mesh)
+        if tuple(first.shape) != out_shape:
             return NotImplemented
         candidates = [first._placement.spec]
     else:
@@ -170,6 +172,24 @@ def pointwise_rule(func, args, kwargs):
     if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
         return type(out)(wrap(o, out_placement, out_shape) for o in out)
     return NotImplemented
+
+
+def _into_plain(func, flat, tree, sts, mesh):
+    """An in-place op on a plain (whole, replicated) tensor with sharded operands, such as
+    a plain optimizer state updated from a sharded gradient: the operands are gathered
+    once and the op runs on whole tensors. A gathered operand that needs no gradient
+    (a gradient, an optimizer state) keeps its whole copy, so the next op on it (Adam's
+    ``lerp_`` then ``addcmul_``) does not gather again."""
+    whole = {}
+    for st in sts:
+        target = Placement.replicated(mesh, st.ndim)
+        local = local_under(st, target)
+        if not st.requires_grad:
+            st._local_tensor, st._placement = local, target
+        whole[id(st)] = local
+    local_flat = [whole[id(x)] if is_st(x) else x for x in flat]
+    l_args, l_kwargs = _unflatten(local_flat, tree)
+    return func(*l_args, **l_kwargs)
 
 
 # -- factories and fills -------------------------------------------------------------

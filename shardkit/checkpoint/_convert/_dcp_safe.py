@@ -1,0 +1,192 @@
+"""Reading a ``torch.distributed.checkpoint`` directory without running code from it.
+
+torch stores its metadata (``.metadata``) as a pickle and loads it with plain
+``pickle.load``; a crafted file runs any code on load. We read it with a restricted
+unpickler that can build only torch DCP's metadata classes, torch dtypes, layouts and
+``torch.Size``, a ``pathlib`` path and plain Python values; anything else (``os.system``,
+``builtins.eval``, ``torch.load`` ...) is refused before it is called. Non-tensor values
+inside the data files (torch.save'd bytes) are read with ``torch.load(weights_only=True)``,
+not torch's default ``weights_only=False``.
+
+Every data file the metadata names must be a plain file name of a regular file inside the
+directory (no symlink, FIFO, device, ``..`` or absolute path), and each tensor's declared
+size must be backed by the bytes of those files before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import stat
+from typing import Any
+
+import torch
+
+from .._core._errors import CorruptCheckpointError
+from .._core._validate import MAX_METADATA_BYTES, check_name
+
+__all__ = ["load_dcp_metadata", "safe_dcp_reader", "safe_dcp_planner"]
+
+_DCP_MODULE = "torch.distributed.checkpoint.metadata"
+_DCP_CLASSES = {
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
+}
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # returns torch.layout objects only
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Admits only the globals torch DCP metadata needs; see the module docstring."""
+
+    def __init__(self, file, source: str) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == _DCP_MODULE and name in _DCP_CLASSES:
+            return super().find_class(module, name)
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CorruptCheckpointError(
+            f"{self.source}: refers to {module}.{name}, which torch DCP metadata never "
+            "holds; refused (a pickle that names it could run code)"
+        )
+
+
+def _open_regular(path: str, what: str) -> int:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path!r} does not exist") from None
+    except OSError as exc:
+        if os.path.islink(path):
+            raise CorruptCheckpointError(f"{path} is a symbolic link; refused") from None
+        raise CorruptCheckpointError(f"{path}: cannot open ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO or device?)")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def load_dcp_metadata(directory: str) -> Any:
+    """torch DCP's ``Metadata`` of ``directory``, unpickled with the restricted unpickler and
+    checked: plain data file names of regular files, sizes backed by their bytes."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    source = os.path.join(directory, ".metadata")
+    with os.fdopen(_open_regular(source, "torch DCP metadata file"), "rb") as f:
+        raw = f.read(MAX_METADATA_BYTES + 1)
+    if len(raw) > MAX_METADATA_BYTES:
+        raise CorruptCheckpointError(f"{source}: more than {MAX_METADATA_BYTES} bytes")
+    try:
+        md = _RestrictedUnpickler(io.BytesIO(raw), source).load()
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:  # a damaged pickle fails in many ways; none is a bug of ours
+        raise CorruptCheckpointError(
+            f"{source}: not a readable torch DCP metadata file ({type(exc).__name__}: {exc})"
+        ) from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise CorruptCheckpointError(f"{source}: holds a {type(md).__name__}, not DCP Metadata")
+    sizes: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    for index, info in (md.storage_data or {}).items():
+        name = getattr(info, "relative_path", None)
+        check_name(name, f"{source}: data file of {getattr(index, 'fqn', index)!r}")
+        if name not in sizes:
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{directory}: data file {name} is missing") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(
+                    f"{directory}: {name} is not a regular file (a symlink, FIFO or device)"
+                )
+            sizes[name] = st.st_size
+        offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
+        if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0:
+            raise CorruptCheckpointError(f"{source}: {name}: bad offset {offset} / length {length}")
+        if offset + length > sizes[name]:
+            raise CorruptCheckpointError(
+                f"{source}: bytes {offset}..{offset + length} run past the end of {name} "
+                f"({sizes[name]} bytes)"
+            )
+        fqn = getattr(index, "fqn", None)
+        if not getattr(info, "transform_descriptors", None):
+            stored[fqn] = stored.get(fqn, 0) + length
+    for key, m in md.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata):
+            continue
+        shape = tuple(m.size)
+        if any(not isinstance(s, int) or s < 0 for s in shape):
+            raise CorruptCheckpointError(f"{source}: key {key!r}: bad shape {shape}")
+        nbytes = math.prod(shape) * m.properties.dtype.itemsize
+        if key in stored and nbytes > stored[key]:
+            raise CorruptCheckpointError(
+                f"{source}: key {key!r}: shape {list(shape)} needs {nbytes} bytes but its data "
+                f"files hold {stored[key]}"
+            )
+        if nbytes > sum(sizes.values()):
+            raise CorruptCheckpointError(
+                f"{source}: key {key!r}: shape {list(shape)} needs {nbytes} bytes, more than "
+                f"all data files hold ({sum(sizes.values())})"
+            )
+    return md
+
+
+def safe_dcp_reader(directory: str, metadata: Any):
+    """torch's FileSystemReader, handing out the already checked ``metadata``."""
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Reader(tdcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _Reader(directory)
+
+
+def safe_dcp_planner():
+    """torch's DefaultLoadPlanner, reading non-tensor values with ``weights_only=True``."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise CorruptCheckpointError(
+                    f"torch DCP value {read_item.dest_index.fqn!r}: refused by "
+                    f"torch.load(weights_only=True): {str(exc).splitlines()[0]}"
+                ) from None
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return _Planner(allow_partial_load=True)

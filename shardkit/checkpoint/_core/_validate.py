@@ -1,0 +1,335 @@
+"""Checks that make reading a checkpoint from anyone safe: the metadata file's own
+checksum and size bound, plain file names, chunks that tile their tensors exactly, byte
+ranges inside their files, and safetensors headers that match the metadata.
+
+Everything here runs on the metadata alone (or on file sizes and header bytes), before any
+tensor byte is read or any tensor allocated. See docs/checkpoint-format.md, "What a reader
+refuses".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import defaultdict
+from typing import Any
+
+import xxhash
+
+from ._errors import CorruptCheckpointError
+from ._format import (
+    FORMAT_NAME,
+    READ_VERSIONS,
+    Metadata,
+    num_rows,
+    safetensors_header,
+)
+
+__all__ = [
+    "MAX_METADATA_BYTES",
+    "MAX_NESTING",
+    "check_name",
+    "seal_metadata",
+    "parse_metadata",
+    "validate",
+    "check_files",
+    "where",
+]
+
+#: Largest metadata.json accepted (bytes); ``SHARDKIT_MAX_METADATA_BYTES`` overrides it.
+#: 64 MiB holds about 250,000 chunks; parsing it takes about 10x its size in memory.
+MAX_METADATA_BYTES = int(os.environ.get("SHARDKIT_MAX_METADATA_BYTES", 64 << 20))
+#: Deepest JSON nesting accepted anywhere in metadata.json (the values included).
+MAX_NESTING = 64
+#: Longest safetensors header shardkit reads in a file it did not check (bytes).
+MAX_HEADER_BYTES = 100 << 20
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_SEAL_KEY = b',"metadata_xxh3_64":"'
+_SEAL_TAIL = len(_SEAL_KEY) + 16 + 2  # key, 16 hex digits, '"}'
+
+
+def where(reader: Any) -> str:
+    """How messages name a store: its path or URL, never an internal class name."""
+    url = getattr(reader, "url", None)
+    return str(url) if isinstance(url, str) else repr(reader)
+
+
+def check_name(name: Any, what: str = "file name") -> str:
+    """``name`` if it is a plain file name inside the checkpoint directory, else raise.
+
+    Plain: 1-255 characters of ``A-Z a-z 0-9 _ . -``, not starting with a dot. So no
+    ``/``, no ``..``, no absolute path, no URL or protocol, no hidden file.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise CorruptCheckpointError(
+            f"{what} {name!r:.80} is not a plain file name inside the checkpoint directory "
+            "(no '/', '..', absolute paths or URLs; letters, digits, '_', '.', '-' only)"
+        )
+    return name
+
+
+# -- the metadata file ---------------------------------------------------------------------
+def seal_metadata(body: bytes) -> bytes:
+    """Append the metadata's own checksum as its last JSON member.
+
+    The file stays plain JSON; ``metadata_xxh3_64`` is the XXH3-64 of every byte before
+    ``,"metadata_xxh3_64":"``.
+    """
+    assert body.endswith(b"}") and len(body) > 2, body[-10:]
+    prefix = body[:-1]
+    return prefix + _SEAL_KEY + xxhash.xxh3_64_hexdigest(prefix).encode() + b'"}'
+
+
+def _unseal(raw: bytes, source: str) -> bool:
+    """Whether ``raw`` carries a checksum; raise if it does and the checksum is wrong."""
+    tail = raw[-_SEAL_TAIL:]
+    if len(raw) <= _SEAL_TAIL or not (tail.startswith(_SEAL_KEY) and tail.endswith(b'"}')):
+        return False
+    stored = tail[len(_SEAL_KEY) : -2]
+    actual = xxhash.xxh3_64_hexdigest(raw[:-_SEAL_TAIL]).encode()
+    if stored != actual:
+        raise CorruptCheckpointError(
+            f"{source}: checksum mismatch (stored {stored.decode(errors='replace')!r}, "
+            f"computed {actual.decode()!r}): the metadata file is damaged"
+        )
+    return True
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def _depth(doc: Any) -> int:
+    """Nesting depth of a parsed JSON document, without recursion."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return deepest
+
+
+def parse_metadata(raw: bytes, source: str) -> Metadata:
+    """Parse ``metadata.json`` and run :func:`validate`; CorruptCheckpointError on any fault."""
+    if len(raw) > MAX_METADATA_BYTES:
+        raise CorruptCheckpointError(
+            f"{source}: {len(raw)} bytes, more than the {MAX_METADATA_BYTES} a metadata file "
+            "may have (SHARDKIT_MAX_METADATA_BYTES raises the limit)"
+        )
+    sealed = _unseal(raw, source)
+    try:
+        doc = json.loads(raw, parse_constant=_no_constants)
+    except RecursionError:
+        raise CorruptCheckpointError(
+            f"{source}: JSON nested deeper than {MAX_NESTING} levels"
+        ) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{source}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{source}: not a shardkit checkpoint metadata file")
+    version = doc.get("version")
+    if isinstance(version, bool) or version not in READ_VERSIONS:
+        raise CorruptCheckpointError(
+            f"{source}: unknown format version {version!r}; this shardkit reads versions "
+            f"{list(READ_VERSIONS)}. Upgrade shardkit to load it"
+        )
+    if version >= 2 and not sealed:
+        raise CorruptCheckpointError(
+            f"{source}: its checksum (metadata_xxh3_64, the last member) is missing or damaged"
+        )
+    doc.pop("metadata_xxh3_64", None)
+    if _depth(doc.get("values")) > MAX_NESTING - 2:
+        raise CorruptCheckpointError(f"{source}: JSON nested deeper than {MAX_NESTING} levels")
+    try:
+        md = Metadata.from_doc(doc, source)
+    except RecursionError:  # pragma: no cover - the depth check above comes first
+        raise CorruptCheckpointError(f"{source}: values nested too deeply") from None
+    validate(md, source)
+    return md
+
+
+# -- structure -----------------------------------------------------------------------------
+def _fail(source: str, what: str, why: str) -> None:
+    raise CorruptCheckpointError(f"{source}: {what}: {why}")
+
+
+def _label(key: str, c: Any) -> str:
+    return f"key {key!r} chunk offsets={list(c.box.offsets)} sizes={list(c.box.sizes)}"
+
+
+def _check_overlaps(source: str, key: str, ndim: int, boxes: list) -> None:
+    """No two of ``boxes`` (``(offsets, ends)``, non-empty) share an element."""
+    # sweep along the dim the chunks split most: compare only chunks overlapping along it
+    d = max(range(ndim), key=lambda i: len({b[0][i] for b in boxes})) if ndim else 0
+    boxes.sort(key=lambda b: b[0][d] if ndim else 0)
+    active: list = []
+    for lo, hi in boxes:
+        if ndim:
+            active = [b for b in active if b[1][d] > lo[d]]
+        for olo, ohi in active:
+            if all(max(a, b) < min(c, e) for a, b, c, e in zip(lo, olo, hi, ohi)):
+                _fail(
+                    source,
+                    f"key {key!r}",
+                    f"chunks at offsets={list(olo)} and offsets={list(lo)} overlap",
+                )
+        active.append((lo, hi))
+
+
+def validate(md: Metadata, source: str) -> None:
+    """Check a parsed metadata's structure; fills ``md.headers`` for version 2.
+
+    File names are plain; every chunk tiles its tensor exactly (in bounds, no gaps, no
+    overlaps), has ``nbytes`` = its elements x itemsize, ``block_rows`` >= 1, one checksum
+    per block, and a byte range inside its file; byte ranges in one file do not overlap.
+    Version 2: each data file is exactly its safetensors header (rebuilt here from the
+    metadata) followed by its chunks, and each objects file exactly its pickles.
+    """
+    if md.world_size < 1:
+        _fail(source, "world_size", f"{md.world_size} is not a positive rank count")
+    for name, size in md.files.items():
+        check_name(name, f"{source}: file")
+        if size < 0:
+            _fail(source, f"file {name}", f"negative size {size}")
+    files = md.files
+    ranges: dict[str, list[tuple[int, int, Any]]] = defaultdict(list)
+    for key, t in md.tensors.items():
+        shape, ndim = t.shape, len(t.shape)
+        if any(s < 0 for s in shape):
+            _fail(source, f"key {key!r}", f"negative shape {list(shape)}")
+        itemsize = t.dtype.itemsize
+        total, boxes = 0, []
+        for c in t.chunks:
+            offsets, sizes = c.box.offsets, c.box.sizes
+            if len(sizes) != ndim:
+                _fail(source, _label(key, c), f"has {len(sizes)} dims, the tensor {ndim}")
+            ends = tuple(o + n for o, n in zip(offsets, sizes))
+            if any(e > n for e, n in zip(ends, shape)):
+                _fail(source, _label(key, c), f"lies outside the tensor's shape {list(shape)}")
+            numel = math.prod(sizes)
+            total += numel
+            if numel:
+                boxes.append((offsets, ends))
+            if c.file not in files:  # names in `files` were checked above
+                check_name(c.file, f"{source}: {_label(key, c)}: file")
+                _fail(source, _label(key, c), f"file {c.file} is not listed in 'files'")
+            if c.offset < 0 or c.nbytes < 0:
+                _fail(source, _label(key, c), f"negative offset {c.offset} or nbytes {c.nbytes}")
+            if c.nbytes != numel * itemsize:
+                _fail(
+                    source,
+                    _label(key, c),
+                    f"nbytes {c.nbytes} but {numel} {t.dtype} elements take {numel * itemsize}",
+                )
+            if c.offset + c.nbytes > files[c.file]:
+                _fail(
+                    source,
+                    _label(key, c),
+                    f"bytes {c.offset}..{c.offset + c.nbytes} run past the end of file "
+                    f"{c.file} ({files[c.file]} bytes)",
+                )
+            if c.block_rows < 1:
+                _fail(source, _label(key, c), f"block_rows {c.block_rows} must be >= 1")
+            blocks = -(-num_rows(sizes) // c.block_rows) if c.nbytes else 0
+            if len(c.checksums) != blocks:
+                _fail(source, _label(key, c), f"{len(c.checksums)} checksums for {blocks} blocks")
+            if not all(_HEX16.fullmatch(h) for h in c.checksums):
+                _fail(source, _label(key, c), "a checksum is not 16 lowercase hex digits")
+            ranges[c.file].append((c.offset, c.nbytes, (c.name, t.dtype, sizes, c.nbytes)))
+        if len(boxes) > 1:
+            _check_overlaps(source, key, ndim, boxes)
+        if total != math.prod(shape):
+            _fail(
+                source,
+                f"key {key!r}",
+                f"its chunks cover {total} of its {math.prod(shape)} elements (shape "
+                f"{list(shape)}): a chunk is missing",
+            )
+    object_files = set()
+    for key, o in md.objects.items():
+        check_name(o.file, f"{source}: object {key!r}: file")
+        if o.file not in md.files:
+            _fail(source, f"object {key!r}", f"file {o.file} is not listed in 'files'")
+        if o.offset < 0 or o.nbytes < 0 or o.offset + o.nbytes > md.files[o.file]:
+            _fail(
+                source,
+                f"object {key!r}",
+                f"bytes {o.offset}..{o.offset + o.nbytes} are not inside file {o.file} "
+                f"({md.files[o.file]} bytes)",
+            )
+        if not _HEX16.fullmatch(o.checksum):
+            _fail(source, f"object {key!r}", "its checksum is not 16 lowercase hex digits")
+        ranges[o.file].append((o.offset, o.nbytes, None))
+        object_files.add(o.file)
+    headers = {}
+    for name, spans in ranges.items():
+        # file order; empty chunks sit at the end of their file, by name (see save)
+        spans.sort(key=lambda s: (s[0], s[1] == 0, s[2][0] if s[2] else ""))
+        if name in object_files and any(s[2] is not None for s in spans):
+            _fail(source, f"file {name}", "holds both tensor chunks and pickled objects")
+        for (a, n, _), (b, _, _) in zip(spans, spans[1:]):
+            if b < a + n:
+                _fail(source, f"file {name}", f"byte ranges at {a} and {b} overlap")
+        if md.version < 2:
+            continue
+        start = 0
+        if name not in object_files:
+            header = safetensors_header([s[2] for s in spans])
+            headers[name] = header
+            start = len(header)
+        pos = start
+        for off, n, _ in spans:
+            if off != pos:
+                _fail(source, f"file {name}", f"bytes {pos}..{off} belong to no chunk")
+            pos += n
+        if pos != md.files[name]:
+            _fail(
+                source,
+                f"file {name}",
+                f"its chunks end at byte {pos} but the file is {md.files[name]} bytes",
+            )
+    if md.version >= 2:
+        for name in md.files:
+            if name not in ranges:
+                _fail(source, f"file {name}", "is listed in 'files' but holds nothing")
+    md.headers = headers
+
+
+def check_files(reader: Any, md: Metadata, names: set[str], why: dict[str, str]) -> None:
+    """Each file exists as a regular file with its recorded size, and (version 2) starts with
+    exactly the safetensors header the metadata implies. No tensor byte is read."""
+    for name in sorted(names):
+        expected = md.files.get(name)
+        holds = why.get(name, "data")
+        try:
+            size = reader.file_size(name)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{where(reader)}: file {name} is missing; it holds {holds}"
+            ) from None
+        if size != expected:
+            raise CorruptCheckpointError(
+                f"{where(reader)}: file {name} is {size} bytes but the metadata says "
+                f"{expected} (truncated or replaced); it holds {holds}"
+            )
+        header = md.headers.get(name)
+        if header is None:
+            continue
+        buf = bytearray(len(header))
+        try:
+            reader.read_into(name, 0, memoryview(buf))
+        except (FileNotFoundError, EOFError) as exc:
+            raise CorruptCheckpointError(f"{where(reader)}: file {name}: {exc}") from None
+        if bytes(buf) != header:
+            at = next(i for i, (a, b) in enumerate(zip(buf, header)) if a != b)
+            raise CorruptCheckpointError(
+                f"{where(reader)}: file {name}: its safetensors header differs from the "
+                f"metadata at byte {at} (damaged); it holds {holds}"
+            )

@@ -1,0 +1,177 @@
+"""`shardkit ckpt` on hostile and damaged checkpoints: exit codes, one-line errors with the
+real cause, damaged steps flagged, nothing unpickled, nothing hanging (issue 15, point 6).
+
+Exit codes (docs/cli.md): 1 verify failed / diff differs, 2 usage error, 3 damaged
+checkpoint, 4 internal error. Commands run in-process through ``main(argv)``.
+"""
+
+import io
+import os
+import pickle
+import signal
+import warnings
+from contextlib import redirect_stderr, redirect_stdout
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import shardkit.checkpoint as dcp
+from shardkit.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _no_hang():
+    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("blocked for 30 s"))
+    signal.alarm(30)
+    yield
+    signal.alarm(0)
+
+
+def shardkit(*args, code):
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        got = main([str(a) for a in args])
+    result = SimpleNamespace(returncode=got, stdout=out.getvalue(), stderr=err.getvalue())
+    assert got == code, (got, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert "Reader(" not in result.stderr + result.stdout  # no internal class names
+    return result
+
+
+def _error_line(result):
+    lines = [line for line in result.stderr.splitlines() if line.startswith("shardkit: ")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def _save(path):
+    state = {"w": torch.arange(32, dtype=torch.float32).reshape(4, 8), "b": torch.ones(3)}
+    return dcp.save(state, checkpoint_id=path)
+
+
+def _flip_data(path, md):
+    chunk = md.tensors["w"].chunks[0]
+    f = path / chunk.file
+    raw = bytearray(f.read_bytes())
+    raw[chunk.offset + 5] ^= 0x10
+    f.write_bytes(bytes(raw))
+    return chunk.file
+
+
+def _truncate(path, md):
+    name = md.tensors["w"].chunks[0].file
+    f = path / name
+    f.write_bytes(f.read_bytes()[:-4])
+    return name
+
+
+def test_convert_reports_the_checksum_error_and_leaves_no_output(tmp_path):
+    md = _save(tmp_path / "c")
+    _flip_data(tmp_path / "c", md)
+    out = tmp_path / "out.safetensors"
+    line = _error_line(shardkit("ckpt", "convert", tmp_path / "c", out, code=3))
+    assert "checksum mismatch" in line and "'w'" in line and "incomplete" not in line
+    assert not out.exists()
+
+
+def test_verify_and_inspect_flag_a_truncated_committed_checkpoint(tmp_path):
+    md = _save(tmp_path / "c")
+    name = _truncate(tmp_path / "c", md)
+    verify = shardkit("ckpt", "verify", "--no-progress", tmp_path / "c", code=1)
+    assert f"{name} is" in verify.stderr and "truncated" in verify.stderr
+    inspect = shardkit("ckpt", "inspect", tmp_path / "c", code=3)
+    assert "KEY" in inspect.stdout  # the table is still shown
+    assert "damaged" in inspect.stderr and name in inspect.stderr
+
+
+def test_manager_directory_damaged_step_is_not_called_uncommitted(tmp_path):
+    root = tmp_path / "run"
+    _save(root / "step_00000001")
+    md = _save(root / "step_00000002")
+    _truncate(root / "step_00000002", md)
+    (root / "step_00000003").mkdir()  # an interrupted save: never committed
+    ls = shardkit("ckpt", "ls", root, code=0)
+    rows = {line.split()[0]: line for line in ls.stdout.splitlines()[1:]}
+    assert rows["1"].endswith("committed") and "DAMAGED" in rows["2"]
+    assert "never committed" in rows["3"]
+    assert "step 2" in ls.stderr and "truncated" in ls.stderr
+    verify = shardkit("ckpt", "verify", "--no-progress", root, code=1)
+    assert "step_00000002" in _error_line(verify)
+    assert "skipped" in verify.stdout and "step_00000003" in verify.stdout
+    assert "OK" in verify.stdout and "step_00000001" in verify.stdout
+
+
+def test_damaged_metadata_is_exit_3_and_a_verify_failure(tmp_path):
+    _save(tmp_path / "c")
+    meta = tmp_path / "c" / "metadata.json"
+    raw = bytearray(meta.read_bytes())
+    raw[40] ^= 0x01
+    meta.write_bytes(bytes(raw))
+    assert "checksum mismatch" in _error_line(shardkit("ckpt", "inspect", tmp_path / "c", code=3))
+    assert "checksum mismatch" in shardkit("ckpt", "verify", tmp_path / "c", code=1).stderr
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_auto_detected_torch_dcp_with_a_payload_never_runs_it(tmp_path):
+    import torch.distributed.checkpoint as tdcp
+
+    marker = tmp_path / "pwned"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.save({"a": torch.ones(2)}, checkpoint_id=str(tmp_path / "t"), no_dist=True)
+    (tmp_path / "t" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    hint = shardkit("ckpt", "inspect", tmp_path / "t", code=2)  # detection: names only
+    assert "torch.distributed.checkpoint" in _error_line(hint)
+    line = _error_line(shardkit("ckpt", "convert", tmp_path / "t", tmp_path / "s", code=3))
+    assert "refused" in line
+    assert not marker.exists() and not (tmp_path / "s").exists()
+
+
+def test_a_fifo_hangs_nothing(tmp_path):
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    assert "not a regular file" in _error_line(
+        shardkit("ckpt", "convert", fifo, tmp_path / "out", code=2)
+    )
+    md = _save(tmp_path / "c")
+    name = md.tensors["w"].chunks[0].file
+    (tmp_path / "c" / name).unlink()
+    os.mkfifo(tmp_path / "c" / name)
+    assert "not a regular file" in shardkit("ckpt", "verify", tmp_path / "c", code=1).stderr
+    line = _error_line(shardkit("ckpt", "convert", tmp_path / "c", tmp_path / "o.pt", code=3))
+    assert name in line
+
+
+def test_usage_errors_and_diff_options(tmp_path):
+    _save(tmp_path / "c")
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"not a checkpoint at all")
+    err = io.StringIO()
+    with redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        main(["ckpt", "diff", "--atol", "-1", str(tmp_path / "c"), str(tmp_path / "c")])
+    assert exit_.value.code == 2 and ">= 0" in err.getvalue()
+    line = _error_line(shardkit("ckpt", "diff", junk, tmp_path / "c", code=2))
+    assert "cannot tell the format" in line and "--from" not in line
+    line = _error_line(shardkit("ckpt", "convert", junk, tmp_path / "x", code=2))
+    assert "--from" in line  # convert has it
+
+
+def test_an_internal_error_is_one_line_exit_4(tmp_path, monkeypatch):
+    from shardkit.cli import _ckpt
+
+    _save(tmp_path / "c")
+
+    def broken(path):
+        raise RuntimeError("a bug\nover two lines")
+
+    monkeypatch.setattr(_ckpt, "describe", broken)
+    line = _error_line(shardkit("ckpt", "inspect", tmp_path / "c", code=4))
+    assert "internal error" in line and "a bug over two lines" in line and "--debug" in line
