@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ._comm import Comm
+from ._copy import copy_into
 from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
 from ._save import (
     SaveJob,
+    max_file_bytes,
     prepare,
     resolve_writer,
     set_inflight,
@@ -28,7 +30,6 @@ from ._save import (
     write_and_commit,
 )
 from ._storage import StorageWriter
-from ._stream_copy import stream_copy
 
 __all__ = ["async_save"]
 
@@ -87,7 +88,7 @@ def _stage(job: SaveJob) -> dict[tuple[str, tuple], torch.Tensor]:
                 cuda = True
                 dst.copy_(src, non_blocking=True)
             else:
-                stream_copy(dst, src)
+                copy_into(dst, src)
             staged[(item.key, item.box.offsets)] = dst
     if cuda:
         torch.cuda.synchronize()
@@ -121,7 +122,7 @@ def async_save(
     future.set_running_or_notify_cancel()
     try:
         comm = Comm(_private_group(process_group))
-        job = prepare(state_dict, planner, comm, writer.thread_count)
+        job = prepare(state_dict, planner, comm, writer.thread_count, max_file_bytes(writer))
         staged = _stage(job)
     except BaseException as exc:
         future.set_exception(exc)

@@ -172,9 +172,9 @@ def load_with_metadata(
     try:
         if reader.thread_count > 1 and len(plan.items) > 1:
             with ThreadPoolExecutor(reader.thread_count) as pool:
-                read_items(reader, planner, plan.items, dtypes, files, pool)
+                read_items(planner, plan.items, dtypes, files, pool)
         else:
-            read_items(reader, planner, plan.items, dtypes, files, None)
+            read_items(planner, plan.items, dtypes, files, None)
     finally:
         files.close()
     _apply_values(reader, flat, metadata, planner)

@@ -119,7 +119,57 @@ def _assign_files(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
     return [b for b in bins if b]
 
 
-def prepare(state_dict: dict, planner: SavePlanner, comm: Comm, thread_count: int) -> SaveJob:
+def _cap_items(items: list[WriteItem], cap: int | None) -> list[WriteItem]:
+    """Items cut into row pieces of at most ``cap`` bytes (at least one row each)."""
+    if cap is None:
+        return items
+    out = []
+    for item in items:
+        if item.nbytes <= cap or not item.box.ndim or item.box.sizes[0] < 2:
+            out.append(item)
+            continue
+        rows = item.box.sizes[0]
+        step = max(1, cap // max(1, item.nbytes // rows))
+        for r in range(0, rows, step):
+            offsets = (item.box.offsets[0] + r, *item.box.offsets[1:])
+            sizes = (min(step, rows - r), *item.box.sizes[1:])
+            out.append(WriteItem(item.key, Box(offsets, sizes), item.shape, item.dtype))
+    return out
+
+
+def _cap_files(bins: list[list[WriteItem]], cap: int | None) -> list[list[WriteItem]]:
+    """Each bin split, in order, into files of at most ``cap`` bytes of tensor data (a
+    single item larger than ``cap``, a one-row tensor, keeps a file of its own)."""
+    if cap is None:
+        return bins
+    files: list[list[WriteItem]] = []
+    for items in bins:
+        current, size = [], 0
+        for item in items:
+            if current and size + item.nbytes > cap:
+                files.append(current)
+                current, size = [], 0
+            current.append(item)
+            size += item.nbytes
+        files.append(current)
+    return [f for f in files if f]
+
+
+def max_file_bytes(writer: StorageWriter) -> int | None:
+    """The writer's cap on a data file's tensor bytes, checked; None for no cap."""
+    cap = getattr(writer, "max_file_bytes", None)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"{writer!r}: max_file_bytes must be a positive int or None, got {cap!r}")
+    return cap
+
+
+def prepare(
+    state_dict: dict,
+    planner: SavePlanner,
+    comm: Comm,
+    thread_count: int,
+    file_cap: int | None = None,
+) -> SaveJob:
     """Flatten, plan locally, exchange plans and plan globally (collective)."""
     error, payload, flat = None, None, None
     try:
@@ -137,7 +187,8 @@ def prepare(state_dict: dict, planner: SavePlanner, comm: Comm, thread_count: in
     save_id = replies[0]["save_id"]
     mine = planner.create_global_plan(plans)[comm.rank]
     job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner)
-    for k, items in enumerate(_assign_files(mine.items, thread_count)):
+    bins = _assign_files(_cap_items(mine.items, file_cap), thread_count)
+    for k, items in enumerate(_cap_files(bins, file_cap)):
         job.files.append((f"data-{save_id}-{comm.rank:05d}-{k:03d}.safetensors", items))
     return job
 
@@ -359,5 +410,5 @@ def save(
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     wait_for_inflight()
     comm = Comm(process_group)
-    job = prepare(state_dict, planner, comm, writer.thread_count)
+    job = prepare(state_dict, planner, comm, writer.thread_count, max_file_bytes(writer))
     return write_and_commit(job, writer, comm, live_data(planner))
