@@ -6,7 +6,13 @@ is ever unpickled unless the caller opts in. See docs/checkpoint.md.
 """
 
 from ._core._async import async_save
-from ._core._errors import CheckpointError, CorruptCheckpointError
+from ._core._deprecated import load_state_dict, save_state_dict
+from ._core._errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    ReplicaMismatchWarning,
+    StateDictMismatchError,
+)
 from ._core._flatten import Stateful
 from ._core._format import ChunkMeta, Metadata, ObjectMeta, TensorMeta
 from ._core._load import is_committed, load, read_metadata
@@ -23,7 +29,8 @@ from ._core._planner import (
     WriteItem,
 )
 from ._core._save import save
-from ._core._storage import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
+from ._core._storage import FileSystemReader, StorageReader, StorageWriter
+from ._core._torch_args import FileSystemWriter
 from ._manager._manager import CheckpointManager
 from ._manager._prime import prime_optimizer
 from ._manager._retention import (
@@ -54,10 +61,12 @@ __all__ = [
     "Metadata",
     "ObjectMeta",
     "ReadItem",
+    "ReplicaMismatchWarning",
     "SPMDLoadPlanner",
     "SPMDSavePlanner",
     "SavePlan",
     "SavePlanner",
+    "StateDictMismatchError",
     "Stateful",
     "StorageReader",
     "StorageWriter",
@@ -66,6 +75,8 @@ __all__ = [
     "async_save",
     "is_committed",
     "load",
+    "load_state_dict",
     "read_metadata",
     "save",
+    "save_state_dict",
 ]

@@ -255,7 +255,8 @@ def _check_protocol():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = set_model_state_dict(other, bumped, options=StateDictOptions(strict=False))
-    assert result.missing_keys == ["1.bias"] and any("1.bias" in str(w.message) for w in caught)
+    # as torch: the skipped keys come back in the result, without a warning
+    assert result.missing_keys == ["1.bias"] and not any("1.bias" in str(w.message) for w in caught)
     now = get_model_state_dict(other, options=full)
     assert torch.equal(now["1.bias"], fmsd["1.bias"])
     assert torch.equal(now["1.weight"], fmsd["1.weight"] + 1)

@@ -42,11 +42,12 @@ def test_truncated_and_missing_files(tmp_path):
     raw = path.read_bytes()
     path.write_bytes(raw[:-5])
     assert not dcp.is_committed(tmp_path)
+    only_w = {"w": _target()["w"]}  # the checkpoint's other keys are ignored, as in torch
     with pytest.raises(dcp.CorruptCheckpointError, match=rf"{name} is \d+ bytes.*truncated.*'w'"):
-        dcp.load(_target(), checkpoint_id=tmp_path)
+        dcp.load(only_w, checkpoint_id=tmp_path)
     path.unlink()
     with pytest.raises(dcp.CorruptCheckpointError, match=rf"{name} is missing.*'w'"):
-        dcp.load(_target(), checkpoint_id=tmp_path)
+        dcp.load(only_w, checkpoint_id=tmp_path)
     path.write_bytes(raw)
     assert dcp.is_committed(tmp_path)
 
@@ -129,10 +130,15 @@ def test_values_needing_pickle_need_an_opt_in_both_ways(tmp_path):
 def test_strict_lists_keys_and_non_strict_skips_with_warning(tmp_path):
     _saved(tmp_path)
     target = {"w": torch.zeros(8, 8), "extra": torch.zeros(2)}
+    with pytest.raises(dcp.StateDictMismatchError, match=r"Missing key.*\['extra'\]"):
+        dcp.load(target, checkpoint_id=tmp_path)  # torch's default: missing keys raise
     with pytest.raises(
         dcp.CheckpointError, match=r"missing.*\['extra'\].*unexpected.*\['b', 'n'\]"
     ):
-        dcp.load(target, checkpoint_id=tmp_path)
+        dcp.load(target, checkpoint_id=tmp_path, strict=True)
+    with pytest.raises(dcp.StateDictMismatchError, match=r"unexpected.*\['b', 'n'\]"):
+        dcp.load({"w": target["w"]}, checkpoint_id=tmp_path,
+                 planner=dcp.DefaultLoadPlanner(strict=True))  # fmt: skip
     with pytest.warns(UserWarning, match=r"\['extra'\].*\['b', 'n'\]"):
         dcp.load(target, checkpoint_id=tmp_path, strict=False)
     assert target["w"].sum() == sum(range(64)) and target["extra"].eq(0).all()
@@ -146,7 +152,9 @@ def test_shape_and_dtype_mismatch_name_key_and_both_sides(tmp_path):
         dcp.load(bad, checkpoint_id=tmp_path)
     bad["w"] = torch.zeros(8, 8, dtype=torch.float64)
     with pytest.raises(TypeError, match=r"'w'.*torch.float32.*torch.float64"):
-        dcp.load(bad, checkpoint_id=tmp_path)
+        dcp.load(bad, checkpoint_id=tmp_path, planner=dcp.DefaultLoadPlanner(strict_dtype=True))
+    dcp.load(bad, checkpoint_id=tmp_path)  # the default casts, as torch
+    assert bad["w"].dtype == torch.float64 and bad["w"].sum() == sum(range(64))
     bad["w"] = 3
     with pytest.raises(TypeError, match="'w' is a non-tensor value"):
         dcp.load(bad, checkpoint_id=tmp_path)

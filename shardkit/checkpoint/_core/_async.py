@@ -30,6 +30,7 @@ from ._save import (
     write_and_commit,
 )
 from ._storage import StorageWriter
+from ._torch_args import check_async_args
 
 __all__ = ["async_save"]
 
@@ -102,12 +103,20 @@ def async_save(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     process_group: Any = None,
+    async_checkpointer_type: Any = None,
+    async_stager: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
 ) -> Future:
     """Like :func:`save`, but return once this rank's share is staged in CPU memory.
 
     The caller may change its tensors as soon as this returns. The first call creates a
     private gloo group (collectively); a call made while a previous save is still in
     flight waits for it first, so at most one staging copy exists per rank.
+
+    ``no_dist`` and ``use_collectives`` are as in :func:`save`; torch's
+    ``async_checkpointer_type`` and ``async_stager`` are accepted (shardkit stages on the
+    calling thread and writes on one background thread; other choices warn once).
 
     Returns:
         A Future whose result is the committed :class:`Metadata`; any error (on any
@@ -121,7 +130,8 @@ def async_save(
     future: Future = Future()
     future.set_running_or_notify_cancel()
     try:
-        comm = Comm(_private_group(process_group))
+        local = check_async_args(async_checkpointer_type, async_stager, no_dist, use_collectives)
+        comm = Comm(None, local=True) if local else Comm(_private_group(process_group))
         job = prepare(state_dict, planner, comm, writer.thread_count, max_file_bytes(writer))
         staged = _stage(job)
     except BaseException as exc:

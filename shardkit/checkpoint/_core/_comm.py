@@ -14,10 +14,10 @@ from ._errors import CheckpointError
 class Comm:
     """The ranks taking part in one save or load; a world of one without a process group."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, *, local: bool = False) -> None:
         self.group = group
-        self.active = dist.is_available() and dist.is_initialized()
-        if group is not None and not self.active:
+        self.active = not local and dist.is_available() and dist.is_initialized()
+        if group is not None and not self.active and not local:
             raise ValueError("process_group was given but no process group is initialized")
         self.rank = dist.get_rank(group) if self.active else 0
         self.world_size = dist.get_world_size(group) if self.active else 1

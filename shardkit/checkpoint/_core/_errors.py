@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CorruptCheckpointError"]
+__all__ = [
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "ReplicaMismatchWarning",
+    "StateDictMismatchError",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -15,4 +20,24 @@ class CorruptCheckpointError(CheckpointError):
     Raised for a checksum mismatch, a truncated, replaced or missing file, an unreadable
     metadata file or an unknown format version. The message names the file, and where it
     applies the key and the chunk.
+    """
+
+
+class ReplicaMismatchWarning(UserWarning):
+    """A plain (replicated) tensor had different values on different ranks at save.
+
+    The save keeps the lowest such rank's copy whole (never a mix of copies) and warns on
+    every rank. Turn it into an error with
+    ``warnings.filterwarnings("error", category=ReplicaMismatchWarning)`` on every rank:
+    the save then fails on every rank before any data is written.
+    """
+
+
+class StateDictMismatchError(CheckpointError, ValueError):
+    """A state dict and a checkpoint (or a model) disagree: a key is missing or unexpected,
+    or a shape differs.
+
+    torch raises ``RuntimeError`` for these and shardkit used to raise ``ValueError``;
+    this class is both, so either ``except`` clause catches it. The message names the
+    key, both shapes, and the rank where it applies.
     """

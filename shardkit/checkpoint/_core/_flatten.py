@@ -6,7 +6,7 @@ local piece with its :class:`Box` in the global index space.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -58,6 +58,7 @@ class Flat:
     values: dict[str, Any]
     objects: dict[str, Any]
     slots: dict[str, Slot]
+    #: Stateful objects and their state, inner before outer, siblings in sorted key order
     statefuls: list[tuple[Stateful, dict]]
     #: tensor keys this rank holds no piece of (a DTensor whose mesh excludes this rank)
     absent: set[str] = field(default_factory=set)
@@ -147,7 +148,9 @@ def flatten(
     length between save and load; other containers are walked. On load,
     ``saved_parents`` (``Metadata.key_parents``: the checkpoint keys' dotted prefixes) also walks JSON
     containers the checkpoint stored per entry. Stateful objects are replaced by their
-    ``state_dict()``.
+    ``state_dict()``. Dicts are walked in sorted key order, so Stateful objects whose
+    ``state_dict`` / ``load_state_dict`` run collectives are visited in one order on every
+    rank whatever order each rank's dict has (as torch's ``dcp.load``).
     """
     parents = saved_parents
     if not isinstance(state_dict, dict):
@@ -179,8 +182,8 @@ def flatten(
                     f"key {key!r}: {type(value).__name__}.state_dict() returned "
                     f"{type(inner).__name__}, expected a dict"
                 )
-            flat.statefuls.append((value, inner))
             walk_container(inner, key)
+            flat.statefuls.append((value, inner))
             return
         if isinstance(value, (dict, list, tuple)) and (
             _has_tensor(value) or not is_json_value(value) or key in parents
@@ -195,8 +198,11 @@ def flatten(
             flat.objects[key] = value
 
     def walk_container(value: Any, prefix: str) -> None:
-        items: Callable = value.items if isinstance(value, dict) else lambda: enumerate(value)
-        for k, v in items():
+        if isinstance(value, dict):  # sorted: every rank calls state_dict() in one order
+            items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        else:
+            items = enumerate(value)
+        for k, v in items:
             walk(v, _join(prefix, k), value, k)
 
     walk_container(state_dict, "")

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 import xxhash
 
+from ...spmd.layout import Box
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._flatten import Flat, flatten
 from ._format import METADATA_FILE, Metadata
-from ._planner import DefaultLoadPlanner, LoadPlanner
+from ._planner import DefaultLoadPlanner, LoadPlanner, ReadItem
 from ._read_chunks import LocalFiles, chunk_label, read_items
 from ._storage import FileSystemReader, StorageReader
 from ._validate import check_files, where
 
 __all__ = ["load", "read_metadata", "is_committed"]
+
+#: The metadata file of a ``torch.distributed.checkpoint`` checkpoint.
+TORCH_METADATA_FILE = ".metadata"
 
 
 def resolve_reader(checkpoint_id: Any, storage_reader: StorageReader | None) -> StorageReader:
@@ -37,11 +43,32 @@ def _metadata(reader: StorageReader) -> Metadata:
     try:
         raw = reader.read_metadata()
     except (FileNotFoundError, NotADirectoryError):
+        if _has_torch_metadata(reader):
+            raise CheckpointError(
+                f"{reader!r} is a torch.distributed.checkpoint checkpoint (it has torch's "
+                f".metadata, not shardkit's {METADATA_FILE}); torch's metadata is a pickle, so "
+                "import it once, and only if you trust it: "
+                "shardkit.checkpoint.format_utils.import_torch_dcp(src, dst), or "
+                "`shardkit ckpt convert SRC DST --from torch-dcp --to shardkit`; then load dst"
+            ) from None
         raise CheckpointError(
             f"no committed checkpoint at {where(reader)}: {METADATA_FILE} is missing (never saved, "
             "or the save was interrupted before its commit)"
         ) from None
     return Metadata.from_json(raw, f"{where(reader)}/{METADATA_FILE}")
+
+
+def _has_torch_metadata(reader: StorageReader) -> bool:
+    """Whether a file-system checkpoint directory holds torch DCP's ``.metadata`` (a hidden
+    name, which the reader itself refuses to open, so it is looked up directly)."""
+    if not isinstance(reader, FileSystemReader):
+        return False
+    try:
+        if reader.local:
+            return os.path.isfile(os.path.join(reader.root, TORCH_METADATA_FILE))
+        return bool(reader.fs.isfile(f"{reader.root}/{TORCH_METADATA_FILE}"))
+    except Exception:  # noqa: BLE001 - any failure means "not recognisably torch's"
+        return False
 
 
 def read_metadata(
@@ -116,7 +143,8 @@ def load(
     storage_reader: StorageReader | None = None,
     planner: LoadPlanner | None = None,
     process_group: Any = None,
-    strict: bool = True,
+    no_dist: bool = False,
+    strict: bool | None = None,
 ) -> None:
     """Load a checkpoint in place into ``state_dict``, resharding to its layout.
 
@@ -124,19 +152,27 @@ def load(
     each rank reads only the saved bytes overlapping its own boxes, and verifies their
     checksums. JSON values are replaced in the caller's containers and Stateful objects
     get ``load_state_dict``. Any saved layout loads into any layout on any world size.
-    Load needs no collectives, so ``process_group`` is accepted for symmetry only.
+    Load needs no collectives, so ``process_group`` and ``no_dist`` (torch's) are
+    accepted for symmetry only.
+
+    As torch's ``dcp.load``: the keys of ``state_dict`` are what is loaded, keys the
+    checkpoint has beyond them are ignored, a key the checkpoint lacks raises unless
+    ``planner=DefaultLoadPlanner(allow_partial_load=True)``, and a saved dtype is cast to
+    the destination's. Stateful objects are visited in sorted key order on every rank.
 
     Args:
         state_dict: the state to fill, allocated by the caller.
         checkpoint_id: a directory path or fsspec URL.
         storage_reader: a custom StorageReader instead of ``FileSystemReader(checkpoint_id)``.
         planner: defaults to :class:`DefaultLoadPlanner`.
-        strict: raise on missing or unexpected keys (else skip them with a warning).
+        strict: None (default) follows the planner. True (shardkit's stricter check):
+            raise on missing or unexpected keys. False: skip both with a warning.
 
     Raises:
+        StateDictMismatchError: a key missing from the checkpoint, a shape mismatch.
         CorruptCheckpointError: checksum mismatch, truncated or missing file, unknown version.
     """
-    del process_group
+    del process_group, no_dist
     reader = resolve_reader(checkpoint_id, storage_reader)
     load_with_metadata(state_dict, reader, _metadata(reader), planner=planner, strict=strict)
 
@@ -147,7 +183,7 @@ def load_with_metadata(
     metadata: Metadata,
     *,
     planner: LoadPlanner | None = None,
-    strict: bool = True,
+    strict: bool | None = None,
 ) -> None:
     """:func:`load` with the checkpoint's metadata already read and parsed.
 
@@ -158,7 +194,7 @@ def load_with_metadata(
     if not isinstance(planner, LoadPlanner):
         raise TypeError(f"planner must be a LoadPlanner, got {type(planner).__name__}")
     flat = flatten(state_dict, for_save=False, saved_parents=metadata.key_parents)
-    planner.set_up_planner(flat, metadata, strict=bool(strict))
+    planner.set_up_planner(flat, metadata, strict=None if strict is None else bool(strict))
     plan = planner.create_local_plan()
     why = {}
     for item in plan.items:
@@ -168,15 +204,61 @@ def load_with_metadata(
         why.setdefault(metadata.objects[key].file, f"key {key!r}")
     _check_files(reader, metadata, set(why), why)
     dtypes = {i.key: metadata.tensors[i.key].dtype for i in plan.items}
+    same = [i for i in plan.items if flat.tensors[i.key].dtype == dtypes[i.key]]
+    cast = [i for i in plan.items if flat.tensors[i.key].dtype != dtypes[i.key]]
     files = LocalFiles(reader)
     try:
-        if reader.thread_count > 1 and len(plan.items) > 1:
+        if reader.thread_count > 1 and len(same) > 1:
             with ThreadPoolExecutor(reader.thread_count) as pool:
-                read_items(planner, plan.items, dtypes, files, pool)
+                read_items(planner, same, dtypes, files, pool)
         else:
-            read_items(planner, plan.items, dtypes, files, None)
+            read_items(planner, same, dtypes, files, None)
+        for item in cast:
+            _read_cast(planner, item, dtypes[item.key], files)
     finally:
         files.close()
     _apply_values(reader, flat, metadata, planner)
-    for obj, inner in reversed(flat.statefuls):
+    for obj, inner in flat.statefuls:  # post-order in sorted keys: one order on every rank
         obj.load_state_dict(inner)
+
+
+class _Into:
+    """A planner stand-in that resolves every item into one scratch tensor."""
+
+    def __init__(self, scratch: torch.Tensor) -> None:
+        self.scratch = scratch
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        return self.scratch
+
+
+#: Most bytes of the saved dtype held at once while casting a piece into place.
+_CAST_PIECE_BYTES = 16 << 20
+
+
+def _cast_pieces(item: ReadItem, saved: torch.dtype) -> list[ReadItem]:
+    """``item`` cut into row bands of at most about ``_CAST_PIECE_BYTES`` each."""
+    box = item.box
+    if box.ndim == 0 or box.sizes[0] == 0:
+        return [item]
+    row = math.prod(box.sizes[1:]) * saved.itemsize
+    step = max(1, _CAST_PIECE_BYTES // max(1, row))
+    if step >= box.sizes[0]:
+        return [item]
+    out = []
+    for r in range(0, box.sizes[0], step):
+        n = min(step, box.sizes[0] - r)
+        sub = Box((box.offsets[0] + r, *box.offsets[1:]), (n, *box.sizes[1:]))
+        out.append(ReadItem(item.key, sub, item.chunk))
+    return out
+
+
+def _read_cast(planner, item: ReadItem, saved: torch.dtype, files: LocalFiles) -> None:
+    """Read one item into a scratch of the saved dtype, a row band at a time, and cast each
+    band into place (as torch's ``copy_``). Peak extra memory: one band (about 16 MiB)."""
+    for piece in _cast_pieces(item, saved):
+        scratch = torch.empty(piece.box.sizes, dtype=saved)
+        read_items(_Into(scratch), [piece], {piece.key: saved}, files, None)
+        dest = planner.resolve_tensor(piece)
+        with torch.no_grad():
+            dest.copy_(scratch.reshape(dest.shape))

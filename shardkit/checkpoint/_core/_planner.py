@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ...spmd.layout import Box
-from ._errors import CheckpointError
+from ._errors import StateDictMismatchError
 from ._flatten import Flat, TensorLeaf
 from ._format import ChunkMeta, Metadata, dtype_from_name, dtype_name
 
@@ -124,8 +124,12 @@ class LoadPlanner(abc.ABC):
     allow_pickle: bool = False
 
     @abc.abstractmethod
-    def set_up_planner(self, flat: Flat, metadata: Metadata, *, strict: bool) -> None:
-        """Receive the caller's flattened state and the checkpoint's metadata."""
+    def set_up_planner(self, flat: Flat, metadata: Metadata, *, strict: bool | None) -> None:
+        """Receive the caller's flattened state and the checkpoint's metadata.
+
+        ``strict`` is ``load(strict=...)``: True raises on missing or unexpected keys,
+        False skips both with a warning, None leaves it to the planner.
+        """
 
     @abc.abstractmethod
     def create_local_plan(self) -> LoadPlan:
@@ -159,9 +163,38 @@ class DefaultSavePlanner(SavePlanner):
     Args:
         allow_pickle: store values that are neither tensors nor JSON with pickle instead
             of refusing them. Loading them needs ``DefaultLoadPlanner(allow_pickle=True)``.
+        dedup_save_to_lowest_rank: write every replicated box from the lowest rank that
+            holds it (as torch's option) instead of spreading the bytes over the holders.
+        flatten_state_dict, flatten_sharded_tensors, dedup_replicated_tensors,
+            enable_plan_caching: accepted for torch code. shardkit always addresses
+            nested values by dotted keys and always writes a replicated box once, so
+            these change nothing; a non-default value warns once.
     """
 
-    def __init__(self, *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        dedup_replicated_tensors: bool | None = None,
+        dedup_save_to_lowest_rank: bool = False,
+        enable_plan_caching: bool = False,
+        allow_pickle: bool = False,
+    ) -> None:
+        ignored = {
+            "flatten_state_dict": (flatten_state_dict, True),
+            "flatten_sharded_tensors": (flatten_sharded_tensors, True),
+            "dedup_replicated_tensors": (dedup_replicated_tensors, None),
+            "enable_plan_caching": (enable_plan_caching, False),
+        }
+        for name, (value, default) in ignored.items():
+            if value != default:
+                warn_once(
+                    f"DefaultSavePlanner({name}={value!r}) has no effect in shardkit: "
+                    "nested values are always saved under dotted keys, each replicated box "
+                    "is written once, and plans are cheap to recompute"
+                )
+        self.dedup_save_to_lowest_rank = bool(dedup_save_to_lowest_rank)
         self.allow_pickle = bool(allow_pickle)
         self.flat: Flat | None = None
 
@@ -214,7 +247,10 @@ class DefaultSavePlanner(SavePlanner):
                 pieces.append((WriteItem(key, sub, item.shape, item.dtype), ranks))
         pieces.sort(key=lambda p: -p[0].nbytes)  # stable: ties keep plan order
         for item, ranks in pieces:
-            rank = min(ranks, key=lambda r: (load[r], r))
+            if self.dedup_save_to_lowest_rank:
+                rank = min(ranks)
+            else:
+                rank = min(ranks, key=lambda r: (load[r], r))
             out[rank].items.append(item)
             load[rank] += item.nbytes
         return out
@@ -227,34 +263,84 @@ class DefaultSavePlanner(SavePlanner):
 class DefaultLoadPlanner(LoadPlanner):
     """Reads, for each local tensor, only the saved chunks' overlap with its box.
 
+    The defaults follow ``torch.distributed.checkpoint``: the state dict you pass is
+    what is loaded, keys the checkpoint has beyond it are ignored (load only the model
+    out of a model + optimizer checkpoint), a key missing from the checkpoint raises
+    :class:`StateDictMismatchError` unless ``allow_partial_load``, and a saved dtype
+    is cast to the destination's dtype as ``Tensor.copy_`` does.
+
     Args:
+        allow_partial_load: leave state-dict keys the checkpoint lacks as they are,
+            instead of raising (as torch's ``DefaultLoadPlanner``).
         allow_pickle: load values that were saved with ``allow_pickle=True``. Only opt in
             for checkpoints you trust: unpickling runs code.
+        strict: shardkit's stricter check: also raise when the checkpoint holds keys
+            the state dict lacks.
+        strict_dtype: shardkit's stricter check: raise ``TypeError`` on a dtype
+            mismatch instead of casting.
+        flatten_state_dict, flatten_sharded_tensors: accepted for torch code; shardkit
+            always addresses nested values by dotted keys, so these change nothing
+            (False warns once).
     """
 
-    def __init__(self, *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        allow_partial_load: bool = False,
+        allow_pickle: bool = False,
+        strict: bool = False,
+        strict_dtype: bool = False,
+    ) -> None:
+        for name, value in (("flatten_state_dict", flatten_state_dict),
+                            ("flatten_sharded_tensors", flatten_sharded_tensors)):  # fmt: skip
+            if not value:
+                warn_once(
+                    f"DefaultLoadPlanner({name}=False) has no effect in shardkit: nested "
+                    "values are always addressed by dotted keys"
+                )
+        self.flatten_state_dict = bool(flatten_state_dict)
+        self.flatten_sharded_tensors = bool(flatten_sharded_tensors)
+        self.allow_partial_load = bool(allow_partial_load)
         self.allow_pickle = bool(allow_pickle)
+        self.strict = bool(strict)
+        self.strict_dtype = bool(strict_dtype)
         self.flat: Flat | None = None
+        self.load_strict: bool | None = None
 
-    def set_up_planner(self, flat: Flat, metadata: Metadata, *, strict: bool) -> None:
-        self.flat, self.metadata, self.strict = flat, metadata, strict
+    def set_up_planner(self, flat: Flat, metadata: Metadata, *, strict: bool | None) -> None:
+        """``strict``: ``load(strict=...)``; None keeps this planner's own settings."""
+        self.flat, self.metadata, self.load_strict = flat, metadata, strict
 
     def _check_keys(self) -> None:
         flat, md = self.flat, self.metadata
         wanted = set(flat.tensors) | set(flat.slots) | flat.absent
         missing = sorted(k for k in wanted if k not in md.tensors and k not in md.values
                          and k not in md.objects)  # fmt: skip
-        unexpected = sorted(set(md.keys()) - wanted)
-        if self.strict and (missing or unexpected):
-            raise CheckpointError(
-                f"state dict and checkpoint keys differ: missing from the checkpoint {missing}, "
-                f"unexpected in the checkpoint {unexpected}; pass strict=False to skip them"
-            )
-        if missing or unexpected:
-            warnings.warn(
-                f"load(strict=False) skips keys missing from the checkpoint {missing} and "
-                f"unexpected keys {unexpected}",
-                stacklevel=4,
+        if self.load_strict is False:  # load(strict=False): skip both sides, say so
+            unexpected = sorted(set(md.keys()) - wanted)
+            if missing or unexpected:
+                warnings.warn(
+                    f"load(strict=False) skips keys missing from the checkpoint {missing} and "
+                    f"unexpected keys {unexpected}",
+                    stacklevel=5,
+                )
+            return
+        if self.load_strict or self.strict:
+            unexpected = sorted(set(md.keys()) - wanted)
+            if missing or unexpected:
+                raise StateDictMismatchError(
+                    f"{on_rank()}state dict and checkpoint keys differ: missing from the "
+                    f"checkpoint {missing}, unexpected in the checkpoint {unexpected} (strict "
+                    "load); drop strict to ignore the checkpoint's extra keys"
+                )
+            return
+        if missing and not self.allow_partial_load:
+            raise StateDictMismatchError(
+                f"{on_rank()}Missing key in checkpoint state_dict: {missing}; load a "
+                "checkpoint that has them, remove them from the state dict, or pass "
+                "planner=DefaultLoadPlanner(allow_partial_load=True) to leave them as they are"
             )
 
     def create_local_plan(self) -> LoadPlan:
@@ -270,15 +356,15 @@ class DefaultLoadPlanner(LoadPlanner):
                         "in the checkpoint"
                     )
                 continue
-            if saved.dtype != leaf.dtype:
+            if saved.dtype != leaf.dtype and self.strict_dtype:
                 raise TypeError(
                     f"key {key!r}: dtype mismatch, checkpoint has {saved.dtype} but the state "
-                    f"dict has {leaf.dtype}"
+                    f"dict has {leaf.dtype} (strict_dtype=True; without it the value is cast)"
                 )
             if tuple(saved.shape) != tuple(leaf.shape):
-                raise ValueError(
-                    f"key {key!r}: shape mismatch, checkpoint has {list(saved.shape)} but the "
-                    f"state dict has {list(leaf.shape)}"
+                raise StateDictMismatchError(
+                    f"{on_rank()}key {key!r}: shape mismatch, checkpoint has "
+                    f"{list(saved.shape)} but the state dict has {list(leaf.shape)}"
                 )
             for chunk in saved.chunks:
                 overlap = chunk.box.intersect(leaf.box)
@@ -289,6 +375,25 @@ class DefaultLoadPlanner(LoadPlanner):
     def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
         assert self.flat is not None
         return _region(self.flat.tensors[item.key], item.box)
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Warn with ``message`` the first time this process sees it."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def on_rank() -> str:
+    """``"rank R: "`` in a multi-rank run, else nothing."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return f"rank {dist.get_rank()}: "
+    return ""
 
 
 class SPMDSavePlanner(DefaultSavePlanner):

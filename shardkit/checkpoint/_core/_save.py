@@ -18,7 +18,7 @@ import xxhash
 
 from ...spmd.layout import Box
 from ._comm import Comm
-from ._errors import CheckpointError
+from ._errors import CheckpointError, ReplicaMismatchWarning
 from ._flatten import Flat, flatten
 from ._format import (
     METADATA_FILE,
@@ -36,6 +36,7 @@ from ._format import (
 )
 from ._planner import DefaultSavePlanner, SavePlan, SavePlanner, WriteItem
 from ._storage import FileSystemWriter, StorageWriter
+from ._torch_args import check_no_dist
 
 __all__ = ["save"]
 
@@ -74,6 +75,9 @@ class SaveJob:
     flat: Flat
     planner: SavePlanner
     files: list[tuple[str, list[WriteItem]]] = field(default_factory=list)
+    #: An error to report on every rank at the write agreement instead of writing
+    #: (a ReplicaMismatchWarning promoted to an error on this rank).
+    error: BaseException | None = None
 
     @property
     def is_coordinator(self) -> bool:
@@ -163,6 +167,104 @@ def max_file_bytes(writer: StorageWriter) -> int | None:
     return cap
 
 
+_HASH_SPAN = 32 << 20
+
+
+def replica_digests(flat: Flat) -> dict[str, str]:
+    """xxh3-64 of every tensor this rank holds whole (plain tensors: replicated copies).
+
+    Spans of 32 MiB are hashed on up to 8 threads (xxhash releases the GIL; at most
+    this rank's share of the host's cores), so on a many-core host the check takes a
+    fraction of the time one thread would. Tensors already in contiguous CPU memory are
+    hashed in place; any other (a GPU tensor, a strided view) is copied to the host one
+    at a time, so the check never holds more than one extra tensor.
+    """
+    in_place: dict[str, memoryview] = {}
+    copied: list[tuple[str, torch.Tensor]] = []
+    for key, leaf in flat.tensors.items():
+        if tuple(leaf.box.sizes) == tuple(leaf.shape) and not any(leaf.box.offsets):
+            t = leaf.local.detach()
+            if t.device.type == "cpu" and t.is_contiguous():
+                in_place[key] = bytes_view(t) if t.numel() else memoryview(b"")
+            else:
+                copied.append((key, t))
+    if not in_place and not copied:
+        return {}
+    cores = (os.cpu_count() or 1) // max(1, _env_int("LOCAL_WORLD_SIZE", 1))
+    with ThreadPoolExecutor(max(1, min(8, cores)), "shardkit-replica-hash") as pool:
+        out = _hash_views(in_place, pool)
+        for key, t in copied:
+            t = t.to("cpu").contiguous()
+            out.update(_hash_views({key: bytes_view(t) if t.numel() else memoryview(b"")}, pool))
+    return out
+
+
+def _hash_views(views: dict[str, memoryview], pool: ThreadPoolExecutor) -> dict[str, str]:
+    spans = [
+        (k, v[i : i + _HASH_SPAN]) for k, v in views.items() for i in range(0, len(v), _HASH_SPAN)
+    ]
+    sums = pool.map(lambda span: xxhash.xxh3_64_hexdigest(span[1]), spans)
+    out = {key: "" for key in views}
+    for (key, _), value in zip(spans, sums):
+        out[key] += value
+    return out
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def replica_mismatches(digests: list[dict[str, str]]) -> dict[str, list[list[int]]]:
+    """Keys whose whole copies differ between ranks -> the ranks grouped by equal copy."""
+    groups: dict[str, dict[str, list[int]]] = {}
+    for rank, mine in enumerate(digests):
+        for key, digest in mine.items():
+            groups.setdefault(key, {}).setdefault(digest, []).append(rank)
+    return {
+        key: sorted(by_digest.values())
+        for key, by_digest in sorted(groups.items())
+        if len(by_digest) > 1
+    }
+
+
+def _keep_one_copy(plans: list[SavePlan], mismatched: dict[str, list[list[int]]]) -> None:
+    """Let only the lowest rank holding a differing replica write it (whole)."""
+    for key, by_copy in mismatched.items():
+        keeper = min(r for ranks in by_copy for r in ranks)
+        for rank, plan in enumerate(plans):
+            if rank != keeper:
+                plan.items = [
+                    i for i in plan.items if not (i.key == key and i.box.sizes == i.shape)
+                ]
+
+
+def _warn_mismatches(mismatched: dict[str, list[list[int]]]) -> BaseException | None:
+    """Warn on this rank; a warning the caller's filters turn into an error is returned."""
+    if not mismatched:
+        return None
+    shown = "; ".join(
+        f"{key!r}: " + " vs ".join(f"ranks {ranks}" for ranks in by_copy)
+        for key, by_copy in list(mismatched.items())[:5]
+    )
+    more = f" (and {len(mismatched) - 5} more)" if len(mismatched) > 5 else ""
+    keepers = sorted({min(r for g in v for r in g) for v in mismatched.values()})
+    try:
+        warnings.warn(
+            f"{len(mismatched)} replicated (plain) tensor(s) differ between ranks: {shown}"
+            f"{more}. Saved the copy of rank(s) {keepers} whole. Make the copies equal "
+            "(broadcast or all-reduce them), or save per-rank shards as a ShardedTensor/"
+            "DTensor with their global offsets",
+            ReplicaMismatchWarning,
+            stacklevel=4,
+        )
+    except ReplicaMismatchWarning as exc:
+        return exc
+    return None
+
+
 def prepare(
     state_dict: dict,
     planner: SavePlanner,
@@ -170,13 +272,20 @@ def prepare(
     thread_count: int,
     file_cap: int | None = None,
 ) -> SaveJob:
-    """Flatten, plan locally, exchange plans and plan globally (collective)."""
+    """Flatten, plan locally, exchange plans and plan globally (collective).
+
+    The same exchange carries a checksum of every tensor a rank holds whole, so copies
+    of a replicated tensor that differ between ranks are found (and saved from one rank
+    only, with a :class:`ReplicaMismatchWarning`) at no extra collective.
+    """
     error, payload, flat = None, None, None
     try:
         flat = flatten(state_dict, for_save=True)
         _refuse_pickle(flat, planner)
         planner.set_up_planner(flat, rank=comm.rank, world_size=comm.world_size)
         payload = {"plan": planner.create_local_plan().to_json()}
+        if comm.world_size > 1:
+            payload["replicas"] = replica_digests(flat)
         if comm.rank == 0:
             stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
             payload["save_id"] = f"{stamp}-{uuid.uuid4().hex[:12]}"
@@ -184,9 +293,12 @@ def prepare(
         error = exc
     replies = comm.agree(error, "planning the save", payload)
     plans = [SavePlan.from_json(r["plan"]) for r in replies]
+    mismatched = replica_mismatches([r.get("replicas", {}) for r in replies])
+    _keep_one_copy(plans, mismatched)
     save_id = replies[0]["save_id"]
     mine = planner.create_global_plan(plans)[comm.rank]
     job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner)
+    job.error = _warn_mismatches(mismatched)
     bins = _assign_files(_cap_items(mine.items, file_cap), thread_count)
     for k, items in enumerate(_cap_files(bins, file_cap)):
         job.files.append((f"data-{save_id}-{comm.rank:05d}-{k:03d}.safetensors", items))
@@ -258,6 +370,8 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
     """Write this rank's files, agree that every rank succeeded, commit (collective)."""
     error, payload = None, None
     try:
+        if job.error is not None:
+            raise job.error
         records, sizes = [], {}
         with ThreadPoolExecutor(max(1, min(len(job.files), writer.thread_count))) as pool:
             futures = [pool.submit(_write_file, writer, n, i, data) for n, i in job.files]
@@ -271,7 +385,13 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
             payload["objects"] = _write_objects(job, writer, sizes)
     except Exception as exc:
         error = exc
-    replies = comm.agree(error, "writing the checkpoint", payload)
+    try:
+        replies = comm.agree(error, "writing the checkpoint", payload)
+    except BaseException:
+        # Nothing gets committed: this rank's partial files go now, so a full disk
+        # (ENOSPC) is not kept full by them until some later save succeeds.
+        _remove_own_files(writer, job)
+        raise
     metadata = _build_metadata(job, replies)
     error = None
     if job.is_coordinator:
@@ -283,6 +403,16 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
     if job.is_coordinator:
         _remove_superseded(writer, metadata)
     return metadata
+
+
+def _remove_own_files(writer: StorageWriter, job: SaveJob) -> None:
+    names = [name for name, _ in job.files]
+    if job.is_coordinator and job.flat is not None and job.flat.objects:
+        names.append(f"objects-{job.save_id}.bin")
+    try:
+        writer.remove_files(names)
+    except Exception as exc:  # the save's own error is the one to report
+        warnings.warn(f"could not remove the files of the failed save: {exc}", stacklevel=3)
 
 
 def _write_objects(job: SaveJob, writer: StorageWriter, sizes: dict[str, int]) -> dict:
@@ -384,6 +514,8 @@ def save(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     process_group: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
 ) -> Metadata:
     """Save a (sharded) state dict; every rank of ``process_group`` must call it.
 
@@ -400,6 +532,9 @@ def save(
         planner: defaults to :class:`DefaultSavePlanner`.
         process_group: the ranks saving together (default: the world; none needed
             in a single process).
+        no_dist: save as a world of one with no collectives, even in a process group
+            (as torch's; each rank then needs its own ``checkpoint_id``).
+        use_collectives: torch's; only True (or a world of one) is supported.
 
     Returns:
         The committed :class:`Metadata` (the same on every rank).
@@ -409,6 +544,6 @@ def save(
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     wait_for_inflight()
-    comm = Comm(process_group)
+    comm = Comm(process_group, local=check_no_dist(no_dist, use_collectives))
     job = prepare(state_dict, planner, comm, writer.thread_count, max_file_bytes(writer))
     return write_and_commit(job, writer, comm, live_data(planner))

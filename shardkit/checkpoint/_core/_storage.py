@@ -168,9 +168,7 @@ class FileSystemWriter(_FileSystem):
     def write_file(self, name: str, parts: Iterable[memoryview]) -> None:
         self._makedirs()
         if not self.local:
-            with self.fs.open(self.join(name), "wb") as f:
-                for part in parts:
-                    f.write(part)
+            _write_remote(self.fs, self.join(name), parts)
             return
         _write_local(self.join(name), parts, exclusive=False, sync=self.sync_files)
 
@@ -181,7 +179,11 @@ class FileSystemWriter(_FileSystem):
             self.fs.pipe_file(final, metadata)
             return
         tmp = self.join(f"{METADATA_FILE}.tmp-{uuid.uuid4().hex}")
-        _write_local(tmp, [metadata], exclusive=True, sync=self.sync_files)
+        try:
+            _write_local(tmp, [metadata], exclusive=True, sync=self.sync_files)
+        except BaseException:
+            _remove_quietly(tmp)  # e.g. ENOSPC: leave no partial temporary behind
+            raise
         if self.sync_files:  # the data files' directory entries are durable before the commit
             _fsync_dir(self.root)
         os.replace(tmp, final)
@@ -212,10 +214,39 @@ class FileSystemWriter(_FileSystem):
                 pass
 
 
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _write_remote(fs, path: str, parts: Iterable) -> None:
+    """Write one object; on any error the upload is discarded, never completed.
+
+    Closing an fsspec file completes it, so a failed write would publish a truncated
+    object (or leave a multipart upload open): an S3 file is discarded instead, which
+    aborts its multipart upload.
+    """
+    f = fs.open(path, "wb")
+    try:
+        for part in parts:
+            f.write(part)
+    except BaseException:
+        try:
+            f.discard()
+            f.closed = True  # so that garbage collection does not complete it after all
+        except Exception:  # the write's own error is the one to report
+            pass
+        raise
+    f.close()
+
+
 def _write_local(path: str, parts: Iterable, *, exclusive: bool, sync: bool) -> None:
     """Write ``parts`` to a local file in bounded ``write()`` calls, fsynced if ``sync``.
 
     ``exclusive`` refuses an existing file (a fresh temporary); otherwise it is truncated.
+    Never follows a symlink planted at ``path``.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
     fd = os.open(path, flags, 0o644)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_flags", "broadcast_json"]
+__all__ = ["agree_flags", "broadcast_json", "flags_and_ranges"]
 
 
 def broadcast_json(value: Any, group: Any, size: int) -> Any:
@@ -37,3 +37,21 @@ def agree_flags(flags: list[bool], group: Any, size: int) -> list[bool]:
     t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [bool(v) for v in t.tolist()]
+
+
+def flags_and_ranges(
+    flags: list[bool], values: list[int], group: Any, size: int
+) -> tuple[list[bool], list[tuple[int, int]]]:
+    """OR of ``flags`` and the (min, max) of each of ``values`` over the group.
+
+    One small ``all_reduce(MAX)`` of ``flags + values + [-v for v in values]``.
+    """
+    if group is None or size == 1:
+        return list(flags), [(v, v) for v in values]
+    n = len(values)
+    t = torch.tensor([int(f) for f in flags] + values + [-v for v in values], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    out = t.tolist()
+    k = len(flags)
+    ranges = [(-out[k + n + i], out[k + i]) for i in range(n)]
+    return [bool(v) for v in out[:k]], ranges

@@ -27,7 +27,11 @@ def is_committed_step(store, step: int) -> bool:
 
 def _writer(mgr: CheckpointManager, step: int) -> FileSystemWriter:
     store = mgr._store
-    return FileSystemWriter(store.step_url(step), storage_options=store.storage_options)
+    return FileSystemWriter(
+        store.step_url(step),
+        storage_options=store.storage_options,
+        thread_count=getattr(mgr, "num_of_threads", 1),
+    )
 
 
 def _reader(mgr: CheckpointManager, step: int) -> FileSystemReader:

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from .._core._errors import CheckpointError
 from ._checks import check_metrics as _check_metrics
 from ._checks import nonneg_int as _nonneg_int
-from ._comm import agree_flags, broadcast_json
+from ._comm import broadcast_json, flags_and_ranges
+from ._lease import Lease
 from ._preemption import PreemptionWatcher
 from ._retention import AnyPreservationPolicy as _Any
 from ._retention import LatestN, PreservationPolicy, steps_to_delete
@@ -56,6 +57,14 @@ class CheckpointManager:
             (must be the same ranks as ``process_group``); the commit itself always runs
             on the checkpoint core's private gloo group for those ranks, never on the
             training group.
+        read_only: a reader (an evaluator, a tool): ``save`` raises, and nothing under
+            ``path`` is ever deleted or written. Without it the manager is also a
+            reader until its first save, which takes the writer's lease on ``path``.
+        lease_ttl: seconds the writer's lease outlives its last renewal (it is renewed
+            at every save and every ``lease_ttl / 3`` s in the background).
+        take_over_lease: take the lease even if another writer's lease is live (use
+            when that writer is known to be gone; it fails at its next save).
+        num_of_threads: torch_xla's option: data files each rank writes in parallel.
     """
 
     def __init__(
@@ -71,12 +80,18 @@ class CheckpointManager:
         preservation_policy: PreservationPolicy | None = None,
         storage_options: dict[str, Any] | None = None,
         async_process_group: dist.ProcessGroup | None = None,
+        read_only: bool = False,
+        lease_ttl: float = 60.0,
+        take_over_lease: bool = False,
+        num_of_threads: int = 1,
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"path must be a non-empty str or os.PathLike URL, got {path!r}")
         self.save_interval = _nonneg_int("save_interval", save_interval, minimum=1)
         self.max_to_keep = _nonneg_int("max_to_keep", max_to_keep)
         self.max_pending_async = _nonneg_int("max_pending_async", max_pending_async, minimum=1)
+        #: torch_xla's option: files each rank writes in parallel per checkpoint
+        self.num_of_threads = _nonneg_int("num_of_threads", num_of_threads, minimum=1)
         if not isinstance(chkpt_on_preemption, bool):
             raise TypeError(f"chkpt_on_preemption must be a bool, got {chkpt_on_preemption!r}")
         if preservation_policy is not None and not isinstance(
@@ -88,6 +103,17 @@ class CheckpointManager:
             )
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, got {storage_options!r}")
+        for name, flag in (("read_only", read_only), ("take_over_lease", take_over_lease)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if (
+            isinstance(lease_ttl, bool)
+            or not isinstance(lease_ttl, (int, float))
+            or not lease_ttl >= 1.0
+        ):
+            raise ValueError(f"lease_ttl must be a number of seconds >= 1, got {lease_ttl!r}")
+        self.read_only = read_only
+        self._take_over = take_over_lease
         policies = [LatestN(self.max_to_keep)] if self.max_to_keep else []
         policies += [preservation_policy] if preservation_policy is not None else []
         self.preservation_policy = (
@@ -95,6 +121,7 @@ class CheckpointManager:
         )
         self._store = StepStore(os.fspath(path), storage_options)
         self.path = self._store.url
+        self._lease = Lease(self._store.fs, self._store.root, ttl=float(lease_ttl))
         self._init_groups(process_group, async_process_group)
         self._watcher = PreemptionWatcher(preemption_signal) if chkpt_on_preemption else None
         if self._watcher is not None:  # a manager dropped without close() gives SIGTERM back
@@ -107,15 +134,63 @@ class CheckpointManager:
         self._metrics: dict[int, dict[str, Any] | None] = {}
         self._preemption_step: int | None = None
         self._closed = False
-        # The coordinator cleans up; the broadcast is the barrier nobody saves before.
-        removed, steps = self._coordinated("listing checkpoints", self._startup_listing)
+        self._writing = False
+        # Read-only until the first save: a manager opened on a live run (an evaluator,
+        # a second trainer) never deletes what the writer is saving.
+        steps = self._coordinated("listing checkpoints", self._store.committed_steps)
+        self._last_step = steps[-1] if steps else None
+        if self._is_coordinator:  # a manager dropped without close() frees its lease
+            weakref.finalize(self, self._lease.release)
+
+    def _become_writer(self) -> None:
+        """Take the lease (collective), then clean up what crashed writers left."""
+        if self._writing:
+            return
+        if self.read_only:
+            raise ValueError(
+                f"CheckpointManager({self.path!r}) is read-only (read_only=True); "
+                "open it without read_only to save"
+            )
+
+        def acquire() -> tuple[list[int], list[int]]:
+            self._lease.acquire(take_over=self._take_over)
+            try:
+                removed = self._store.remove_incomplete()
+                aborted = self._store.abort_stale_uploads()
+                if aborted:
+                    log.warning("aborted %d unfinished uploads under %s", aborted, self.path)
+                return removed, self._store.committed_steps()
+            except BaseException:
+                self._lease.release()
+                raise
+
+        removed, steps = self._coordinated("taking the writer's lease", acquire)
         if removed and self._is_coordinator:
             log.warning("removed incomplete step directories %s under %s", removed, self.path)
-        self._last_step = steps[-1] if steps else None
+        if steps and (self._last_step is None or steps[-1] > self._last_step):
+            self._last_step = steps[-1]
+        self._writing = True
+        if self._is_coordinator:
+            self._lease.start_heartbeat()
 
-    def _startup_listing(self) -> tuple[list[int], list[int]]:
-        removed = self._store.remove_incomplete()
-        return removed, self._store.committed_steps()
+    def _prepare_step(self, step: int, metrics) -> None:
+        """Coordinator: renew the lease (fencing), make the step directory safe, metrics."""
+        self._lease.renew(force=False)
+        self._store.prepare_step_dir(step)
+        try:
+            self._store.write_metrics(step, metrics)
+        except Exception as exc:  # the save itself reports a storage failure on all ranks
+            log.warning("could not record metrics of step %d: %s", step, exc)
+
+    def _remove_failed(self, step: int) -> None:
+        """Coordinator, right after a failed save: its partial files go at once."""
+        if not self._is_coordinator:
+            return
+        try:
+            if self._store.remove_failed(step):
+                log.warning("removed the files of the failed save of step %d", step)
+        except Exception as exc:  # the next writer start removes it
+            log.warning("could not remove the failed step %d under %s: %s", step, self.path, exc)
 
     # -- process groups ---------------------------------------------------------------
     def _init_groups(self, process_group, async_process_group) -> None:
@@ -156,7 +231,9 @@ class CheckpointManager:
             try:
                 result = {"ok": fn()}
             except Exception as exc:
-                result, cause = {"error": f"{type(exc).__name__}: {exc}"}, exc
+                what_failed = str(exc) if isinstance(exc, CheckpointError) else None
+                what_failed = what_failed or f"{type(exc).__name__}: {exc}"
+                result, cause = {"error": what_failed}, exc
         result = broadcast_json(result, self._ctrl, len(self._ranks))
         if "error" in result:
             raise CheckpointError(f"{what} under {self.path} failed: {result['error']}") from cause
@@ -201,7 +278,9 @@ class CheckpointManager:
     def save(self, step: int, state_dict: dict, force: bool = False, *, metrics=None) -> bool:
         """Save ``state_dict`` as ``step`` if due (interval, ``force`` or preemption).
 
-        Blocks until the checkpoint is committed. Returns whether it saved.
+        Blocks until the checkpoint is committed. Returns whether it saved. The first
+        save takes the writer's lease on ``path`` (a second writer is refused with
+        :class:`CheckpointError`); every rank must pass the same ``step`` and ``force``.
         """
         return self._save(step, state_dict, force, metrics, blocking=True)
 
@@ -226,7 +305,15 @@ class CheckpointManager:
         signalled = self._watcher is not None and self._watcher.received()
         with self._lock:
             failed = bool(self._errors)
-        signalled, failed = agree_flags([signalled, failed], self._ctrl, len(self._ranks))
+        (signalled, failed), ((lo, hi), (f_lo, f_hi)) = flags_and_ranges(
+            [signalled, failed], [step, int(bool(force))], self._ctrl, len(self._ranks)
+        )
+        if lo != hi or f_lo != f_hi:
+            what = f"steps from {lo} to {hi}" if lo != hi else "different force= values"
+            raise ValueError(
+                f"the ranks passed {what} to save() under {self.path}; every rank must "
+                f"save the same step (this rank: step {step}, force={force}). Nothing saved"
+            )
         if failed:
             self._wait_in_flight(0)
         preempted = signalled and self._preemption_step is None
@@ -246,11 +333,12 @@ class CheckpointManager:
         self._wait_retention()
         from . import _io as io
 
-        if self._is_coordinator:
-            try:
-                self._store.write_metrics(step, metrics)
-            except Exception as exc:  # the save below reports a storage failure on all ranks
-                log.warning("could not record metrics of step %d: %s", step, exc)
+        self._become_writer()
+        if self._last_step is not None and step <= self._last_step:
+            return False  # another writer committed it before we took the lease
+        self._coordinated(
+            f"preparing step {step}", lambda: self._prepare_step(step, metrics) or None
+        )
         previous, self._last_step = self._last_step, step
         try:
             future = None if blocking else io.save_step_async(self, step, state_dict)
@@ -258,6 +346,8 @@ class CheckpointManager:
                 io.save_step(self, step, state_dict)
         except Exception as exc:
             self._last_step = previous
+            if blocking:  # every rank failed alike (the core agrees on errors): clean up
+                self._coordinated("cleaning up", lambda: self._remove_failed(step))
             raise CheckpointError(f"save of step {step} to {self.path} failed: {exc}") from exc
         if blocking:
             self._on_committed(step, metrics)
@@ -275,6 +365,7 @@ class CheckpointManager:
             if exc is None:
                 self._on_committed(step, metrics)
                 return
+            self._remove_failed(step)
             err = CheckpointError(f"background save of step {step} to {self.path} failed: {exc}")
             err.__cause__ = exc
             with self._lock:
@@ -289,7 +380,7 @@ class CheckpointManager:
             self._metrics[step] = metrics
             try:
                 self._retention_futures.append(self._retention.submit(self._retain))
-            except RuntimeError:  # interpreter exiting: the next start's pass will do it
+            except RuntimeError:  # interpreter exiting: the next writer's pass will do it
                 log.debug("retention pass after step %d skipped: shutting down", step)
 
     def _retain(self) -> None:
@@ -306,6 +397,7 @@ class CheckpointManager:
             log.warning("retention pass under %s failed: %s", self.path, exc)
 
     def _retain_pass(self) -> None:
+        self._lease.renew(force=False)  # a writer that lost its lease deletes nothing
         committed = self._store.committed_steps()
         with self._lock:
             known = {s: self._metrics[s] for s in committed if s in self._metrics}
@@ -389,6 +481,8 @@ class CheckpointManager:
             if self._watcher is not None:
                 self._watcher.close()
             self._retention.shutdown(wait=True)
+            if self._is_coordinator:
+                self._lease.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

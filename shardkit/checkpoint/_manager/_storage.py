@@ -3,25 +3,40 @@
 Layout: ``<path>/step_<step, zero-padded to 8 digits>/``, each a checkpoint written by
 ``shardkit.checkpoint.save`` (committed once its metadata file exists), plus the
 manager's own ``manager.json`` (the metrics passed to ``save``), written before the
-checkpoint's data so it is present whenever the step is committed. Anything else
-under ``<path>`` is ignored and never deleted.
+checkpoint's data so it is present whenever the step is committed, and the writer's
+lease ``manager.lease`` (see ``_lease.py``). Anything else under ``<path>`` is ignored
+and never deleted.
+
+Listing is read-only. A step directory that is a symlink, or whose checkpoint cannot
+be checked, is skipped with a warning (once per step). Local files are written via a
+fresh temporary (``O_EXCL | O_NOFOLLOW``) and ``os.replace``, never through a symlink.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+import stat
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
+from .._core._errors import CheckpointError
 from .._core._format import METADATA_FILE
 
 __all__ = ["StepStore"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANAGER_FILE = "manager.json"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_MAX_METRICS_BYTES = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 def step_dir_name(step: int) -> str:
@@ -37,6 +52,13 @@ class StepStore:
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.root = self.root.rstrip("/") or self.root
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self._warned: set[tuple[int, str]] = set()
+
+    def _warn_once(self, step: int, why: str) -> None:
+        if (step, why) not in self._warned:
+            self._warned.add((step, why))
+            log.warning("skipping step %d under %s: %s", step, self.url, why)
 
     def step_url(self, step: int) -> str:
         """The fsspec URL of a step's checkpoint (the ``checkpoint_id`` given to save/load)."""
@@ -54,8 +76,13 @@ class StepStore:
         for entry in self.fs.ls(self.root, detail=True):
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             match = _STEP_DIR.match(name)
-            if match and entry.get("type") == "directory":
-                steps.append(int(match.group(1)))
+            if not match:
+                continue
+            step = int(match.group(1))
+            if entry.get("islink") or (self.local and os.path.islink(self._step_path(step))):
+                self._warn_once(step, "its directory is a symlink (a checkpoint is a directory)")
+            elif entry.get("type") == "directory":
+                steps.append(step)
         return sorted(steps)
 
     def has_marker(self, step: int) -> bool:
@@ -69,8 +96,73 @@ class StepStore:
         return is_committed_step(self, step)
 
     def committed_steps(self) -> list[int]:
-        """Committed steps, ascending; incomplete directories are never listed."""
-        return [s for s in self.list_step_dirs() if self.is_committed(s)]
+        """Committed steps, ascending; incomplete directories are never listed.
+
+        A step whose checkpoint cannot even be checked (malformed metadata, unreadable
+        files) is skipped with a warning, so the good steps stay usable.
+        """
+        steps = []
+        for step in self.list_step_dirs():
+            if self.local and not self._marker_is_plain_file(step):
+                continue
+            try:
+                ok = self.is_committed(step)
+            except Exception as exc:
+                self._warn_once(step, f"its checkpoint cannot be checked: {exc}")
+                continue
+            if not ok and self.has_marker(step):
+                # committed between the two checks (a writer's commit), or damaged
+                ok = self._committed_quietly(step)
+                if not ok and self.has_marker(step):
+                    self._warn_once(step, "its checkpoint is damaged (files missing or cut short)")
+            if ok:
+                steps.append(step)
+        return steps
+
+    def abort_stale_uploads(self) -> int:
+        """Abort unfinished S3 multipart uploads into step directories; returns how many.
+
+        Only the lease holder calls this, before it writes, so every such upload was
+        left by a writer that died mid-save. Other stores have none.
+        """
+        lister = getattr(self.fs, "list_multipart_uploads", None)
+        if lister is None or not hasattr(self.fs, "call_s3"):
+            return 0
+        bucket, _, prefix = self.root.partition("/")
+        mine = f"{prefix}/step_" if prefix else "step_"
+        aborted = 0
+        for upload in lister(bucket):
+            key = upload.get("Key", "")
+            rest = key[len(mine) - len("step_") :] if key.startswith(mine) else ""
+            name = rest.split("/", 1)[0]
+            if _STEP_DIR.match(name) and "UploadId" in upload:
+                self.fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"]
+                )
+                aborted += 1
+        return aborted
+
+    def _committed_quietly(self, step: int) -> bool:
+        if self.local and not self._marker_is_plain_file(step):
+            return False
+        try:
+            return self.is_committed(step)
+        except Exception:
+            return False
+
+    def _marker_is_plain_file(self, step: int) -> bool:
+        """False (with a warning) when the metadata file is a FIFO, device, symlink..."""
+        try:
+            mode = os.lstat(f"{self._step_path(step)}/{METADATA_FILE}").st_mode
+        except FileNotFoundError:
+            return True  # not committed (yet): listed as incomplete, not as bad
+        except OSError as exc:
+            self._warn_once(step, f"its {METADATA_FILE} cannot be examined: {exc}")
+            return False
+        if not stat.S_ISREG(mode):
+            self._warn_once(step, f"its {METADATA_FILE} is not a regular file")
+            return False
+        return True
 
     def remove_incomplete(self) -> list[int]:
         """Delete step directories that never committed (left by a crash); returns them.
@@ -85,11 +177,37 @@ class StepStore:
                 removed.append(step)
         return removed
 
+    def prepare_step_dir(self, step: int) -> None:
+        """Before saving ``step``: refuse a symlink there, remove an uncommitted leftover.
+
+        Only the lease holder calls this, for a step newer than every committed one.
+        """
+        path = self._step_path(step)
+        if self.local and os.path.islink(path):
+            raise CheckpointError(
+                f"{path} is a symlink; refusing to save through it (remove it: a step "
+                "directory must be a real directory)"
+            )
+        self.fs.invalidate_cache(self.root)
+        if self.fs.exists(path) and not self._committed_quietly(step):
+            self._rm_tree(path)
+
+    def remove_failed(self, step: int) -> bool:
+        """After a failed save of ``step``: remove its directory unless it committed."""
+        path = self._step_path(step)
+        if self.local and os.path.islink(path):
+            return False
+        self.fs.invalidate_cache(self.root)
+        if not self.fs.exists(path) or self._committed_quietly(step):
+            return False
+        self._rm_tree(path)
+        return True
+
     def delete(self, step: int) -> None:
         """Delete a committed step, un-committing it first.
 
         The metadata file goes first, so a crash half-way leaves an incomplete directory
-        (never listed, removed at the next start) rather than a listed, broken checkpoint.
+        (never listed, removed by the next writer) rather than a listed, broken checkpoint.
         """
         path = self._step_path(step)
         marker = f"{path}/{METADATA_FILE}"
@@ -98,26 +216,57 @@ class StepStore:
         self._rm_tree(path)
 
     def _rm_tree(self, path: str) -> None:
-        try:
-            self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
+        for attempt in range(2):  # a rank may remove its own files at the same time
+            try:
+                self.fs.rm(path, recursive=True)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if attempt:
+                    raise
         self.fs.invalidate_cache(self.root)
 
     def write_metrics(self, step: int, metrics: Mapping[str, Any] | None) -> None:
         """Record the step's metrics (for :class:`BestN`) inside its directory."""
         payload = json.dumps({"step": step, "metrics": dict(metrics or {})}, sort_keys=True)
         path = self._step_path(step)
-        self.fs.makedirs(path, exist_ok=True)
-        with self.fs.open(f"{path}/{MANAGER_FILE}", "w") as f:
-            f.write(payload)
+        if not self.local:
+            self.fs.makedirs(path, exist_ok=True)
+            self.fs.pipe_file(f"{path}/{MANAGER_FILE}", payload.encode())
+            return
+        if os.path.islink(path):
+            raise CheckpointError(f"{path} is a symlink; refusing to write through it")
+        os.makedirs(path, exist_ok=True)
+        tmp = f"{path}/{MANAGER_FILE}.tmp-{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+        try:
+            try:
+                os.write(fd, payload.encode())
+            finally:
+                os.close(fd)
+            os.replace(tmp, f"{path}/{MANAGER_FILE}")  # replaces a symlink, never follows it
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+            raise
 
     def read_metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with ``step``, or None when it has no (readable) record."""
+        name = f"{self._step_path(step)}/{MANAGER_FILE}"
         try:
-            with self.fs.open(f"{self._step_path(step)}/{MANAGER_FILE}", "r") as f:
-                record = json.load(f)
-        except (FileNotFoundError, ValueError):
+            if self.local:
+                fd = os.open(name, os.O_RDONLY | _NOFOLLOW)
+                try:
+                    raw = os.read(fd, _MAX_METRICS_BYTES)
+                finally:
+                    os.close(fd)
+            else:
+                raw = self.fs.cat_file(name)[:_MAX_METRICS_BYTES]
+            record = json.loads(raw)
+        except (OSError, ValueError):
             return None
         metrics = record.get("metrics") if isinstance(record, dict) else None
         return metrics if isinstance(metrics, dict) else None

@@ -21,6 +21,7 @@ __all__ = [
     "root_sharded_module",
     "param_fqns",
     "under",
+    "strip_wrappers",
 ]
 
 #: Attribute names under which well-known wrappers keep the module they wrap:
@@ -88,6 +89,15 @@ def clean_key(root: nn.Module, raw: str) -> str:
     return ".".join(out)
 
 
+def strip_wrappers(name: str) -> str:
+    """``name`` without wrapper components (``_checkpoint_wrapped_module``, ``_orig_mod``,
+    ``_fsdp_wrapped_module``): for keys a sharded module reports for itself, e.g. after
+    torch's ``apply_activation_checkpointing`` under shardkit FSDP."""
+    if not any(w in name for w in _INNER_NAMES):
+        return name
+    return ".".join(p for p in name.split(".") if p not in _INNER_NAMES)
+
+
 def under(key: str, prefixes: Iterable[str]) -> bool:
     """Whether ``key`` is one of ``prefixes`` or lies below one ("" is the root)."""
     return any(p == "" or key == p or key.startswith(p + ".") for p in prefixes)
@@ -124,7 +134,8 @@ def _module_param_fqns(module: nn.Module, prefix: str) -> dict[int, str]:
     fqns = getattr(module, _FQNS, None)
     if callable(fqns):
         for pid, name in fqns().items():
-            out[int(pid)] = f"{prefix}.{name}" if prefix else str(name)
+            name = strip_wrappers(str(name))
+            out[int(pid)] = f"{prefix}.{name}" if prefix else name
     return out
 
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 
+from .._core._errors import StateDictMismatchError
+from .._core._planner import on_rank
+from ._broadcast import broadcast_from_rank0
 from ._fqn import (
     clean_key,
     param_fqns,
     root_sharded_module,
     sharded_modules,
+    strip_wrappers,
     under,
     unwrap,
 )
@@ -53,7 +57,9 @@ def _live_entries(model: nn.Module) -> tuple[dict[str, tuple[str | None, Any]], 
     """
     top = root_sharded_module(model)
     if top is not None:
-        entries = {k: (None, v) for k, v in top._shardkit_sharded_state_dict().items()}
+        entries = {
+            strip_wrappers(k): (None, v) for k, v in top._shardkit_sharded_state_dict().items()
+        }
         return entries, {"": top}
     root = unwrap(model)
     nested = sharded_modules(root)
@@ -64,7 +70,7 @@ def _live_entries(model: nn.Module) -> tuple[dict[str, tuple[str | None, Any]], 
             entries[key] = (raw, value)
     for prefix, module in nested.items():
         for k, v in module._shardkit_sharded_state_dict().items():
-            entries[f"{prefix}.{k}"] = (None, v)
+            entries[f"{prefix}.{strip_wrappers(k)}"] = (None, v)
     return entries, nested
 
 
@@ -107,24 +113,26 @@ def get_model_state_dict(
     for key, (_, value) in entries.items():
         if key in frozen or not under(key, prefixes):
             continue
+        if not opts.keep_submodule_prefixes and submodules is not None:
+            prefix = max((p for p in prefixes if under(key, [p])), key=len)
+            key = key[len(prefix) + 1 :] if prefix else key
         out[key] = export_value(value, full=opts.full_state_dict, cpu=opts.cpu_offload)
     return out
 
 
 def _report(what: str, missing: list[str], unexpected: list[str], strict: bool) -> None:
-    if not missing and not unexpected:
-        return
+    if not strict or (not missing and not unexpected):
+        return  # as torch: the caller gets them back in IncompatibleKeys
     parts = []
     if missing:
         parts.append(f"missing keys {missing}")
     if unexpected:
         parts.append(f"unexpected keys {unexpected}")
-    msg = f"{what}: " + " and ".join(parts)
-    if strict:
-        raise ValueError(
-            msg + "; fix the state dict, or pass StateDictOptions(strict=False) to skip them"
-        )
-    warnings.warn(msg + "; skipped (strict=False)", stacklevel=3)
+    raise StateDictMismatchError(
+        f"{on_rank()}{what}: "
+        + " and ".join(parts)
+        + "; fix the state dict, or pass StateDictOptions(strict=False) to skip them"
+    )
 
 
 def set_model_state_dict(
@@ -136,8 +144,15 @@ def set_model_state_dict(
     """Load ``model_state_dict`` (keyed by unwrapped FQNs) into ``model`` in place.
 
     Full tensors are sliced into sharded parameters locally; sharded values (e.g. after an
-    N->M resharding load) are copied shard to shard. A shape or dtype mismatch raises
-    ``ValueError`` naming the key and both shapes / dtypes.
+    N->M resharding load) are copied shard to shard. Values are cast to the model's dtypes,
+    as torch's ``load_state_dict`` does. Parameters on the meta device are materialised
+    from the values (on the values' device), as torch does. An empty state dict changes
+    nothing (as torch). With ``options.broadcast_from_rank0``, only rank 0's state dict is
+    read: each tensor is broadcast and sliced one at a time.
+
+    Raises:
+        StateDictMismatchError: a shape mismatch, or missing / unexpected keys when
+            ``options.strict`` (a ``RuntimeError`` as torch's, and a ``ValueError``).
 
     Returns:
         :class:`IncompatibleKeys` (empty lists unless ``options.strict`` is off).
@@ -149,21 +164,31 @@ def set_model_state_dict(
             f"{type(model_state_dict).__name__}"
         )
     entries, sharded = _live_entries(model)
+    done: set[str] = set()
+    if opts.broadcast_from_rank0:
+        model_state_dict, done = broadcast_from_rank0(model_state_dict, entries, unwrap(model))
+        model_state_dict = {**model_state_dict, **{k: entries[k][1] for k in done}}
+    if not model_state_dict:
+        return IncompatibleKeys([], [])
     frozen = _frozen(model) if opts.ignore_frozen_params else set()
     missing = sorted(k for k in entries if k not in model_state_dict and k not in frozen)
     unexpected = sorted(k for k in model_state_dict if k not in entries)
     _report("set_model_state_dict", missing, unexpected, opts.strict)
 
     plain: dict[str, Any] = {}
+    assign: dict[str, Any] = {}
     per_module: dict[str, dict[str, Any]] = {prefix: {} for prefix in sharded}
     for key, value in model_state_dict.items():
-        if key not in entries:
+        if key not in entries or key in done:
             continue
         raw, target = entries[key]
         check_compatible(key, value, target, what="set_model_state_dict")
         value = import_value(value, target)
         if raw is not None:
-            plain[raw] = value
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                assign[raw] = value if value is not model_state_dict[key] else value.clone()
+            else:
+                plain[raw] = value
             continue
         per_module[_owner(key, sharded)][key] = value
     for key, (raw, current) in entries.items():
@@ -174,10 +199,13 @@ def set_model_state_dict(
     root = unwrap(model)
     if plain:
         _load_plain(root, plain)
+    if assign:
+        _load_plain(root, assign, assign=True)
     for prefix, module in sharded.items():
         cut = len(prefix) + 1 if prefix else 0
+        raw_keys = {strip_wrappers(k): k for k in module._shardkit_sharded_state_dict()}
         module._shardkit_load_sharded_state_dict(
-            {k[cut:]: v for k, v in per_module[prefix].items()}
+            {raw_keys.get(k[cut:], k[cut:]): v for k, v in per_module[prefix].items()}
         )
     return IncompatibleKeys(missing, unexpected)
 
@@ -187,7 +215,8 @@ def _owner(key: str, sharded: dict[str, nn.Module]) -> str:
     return next(p for p in sharded if under(key, [p]))
 
 
-def _load_plain(root: nn.Module, plain: dict[str, Any]) -> None:
-    """Copy values through ``load_state_dict`` so module hooks (FSDP2's) run."""
-    result = root.load_state_dict(plain, strict=False)
+def _load_plain(root: nn.Module, plain: dict[str, Any], *, assign: bool = False) -> None:
+    """Copy values through ``load_state_dict`` so module hooks (FSDP2's) run; ``assign``
+    replaces meta-device tensors by the values instead of copying into them."""
+    result = root.load_state_dict(plain, strict=False, assign=assign)
     assert not result.unexpected_keys, result.unexpected_keys

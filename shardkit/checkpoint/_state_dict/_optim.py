@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from ...spmd import ShardedTensor
-from ._fqn import param_fqns, under
+from .._core._errors import StateDictMismatchError
+from ._broadcast import broadcast_items, world_of_many
+from ._fqn import param_fqns, strip_wrappers, under
 from ._model import submodule_prefixes
 from ._options import StateDictOptions, resolve_options
 from ._values import export_value, import_value, is_sharded
@@ -85,7 +87,9 @@ def _layouts(
     out: dict[int, ShardedTensor] = {}
     for pid, (module, prefix) in owners.items():
         if id(module) not in cache:
-            cache[id(module)] = module._shardkit_sharded_state_dict()
+            cache[id(module)] = {
+                strip_wrappers(k): v for k, v in module._shardkit_sharded_state_dict().items()
+            }
         name = fqns[pid][len(prefix) + 1 :] if prefix else fqns[pid]
         value = cache[id(module)].get(name)
         if isinstance(value, ShardedTensor):
@@ -142,9 +146,10 @@ def get_optimizer_state_dict(
             }
         for group in osd["param_groups"]:
             kept = [names[i] for i in group["params"] if under(names[i], prefixes)]
-            if kept:
+            if kept or not group["params"]:  # an empty group is kept, as torch
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": kept})
-    return {"state": state, "param_groups": groups}
+    out = {"state": state, "param_groups": groups}
+    return flatten_optim(out) if opts.flatten_optimizer_state_dict else out
 
 
 def _names(params: list[torch.Tensor], fqns: dict[int, str], n: int) -> list[str]:
@@ -186,27 +191,28 @@ def set_optimizer_state_dict(
     *,
     options: StateDictOptions | None = None,
 ) -> None:
-    """Load an FQN-keyed optimizer state dict into ``optimizers`` in place.
+    """Load an optimizer state dict into ``optimizers`` in place.
 
-    Hyperparameters come from the saved group holding the same parameters. Full state
-    tensors are sliced like their (sharded) parameter. Saved state for parameters none of
-    ``optimizers`` holds is skipped with a warning, so one merged state dict can be loaded
-    into several optimizers one call at a time.
+    Takes what :func:`get_optimizer_state_dict` returns (FQN-keyed, nested or flattened)
+    and, as torch does, a raw ``Optimizer.state_dict()`` keyed by parameter ids, which
+    are matched to ``optimizers``' parameters in order. Hyperparameters come from the
+    saved group holding the same parameters; an empty group takes the saved empty group
+    at the same position. Full state tensors are sliced like their (sharded) parameter.
+    Saved state for parameters none of ``optimizers`` holds is skipped with a warning, so
+    one merged state dict can be loaded into several optimizers one call at a time. With
+    ``options.broadcast_from_rank0`` only rank 0's state dict is read.
     """
-    resolve_options(options)
+    opts = resolve_options(options)
     optims = as_optimizers(optimizers)
-    if not isinstance(optim_state_dict, Mapping) or not {"state", "param_groups"} <= set(
-        optim_state_dict
-    ):
-        raise ValueError(
-            "optim_state_dict must be a mapping with 'state' and 'param_groups' keys, as "
-            "returned by get_optimizer_state_dict"
-        )
-    saved_state, saved_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
     fqns, owners = param_fqns(model)
-    layouts = _layouts(owners, fqns)
     for n, optim in enumerate(optims):  # validate every optimizer before changing any
         _names(_params(optim), fqns, n)
+    layouts = _layouts(owners, fqns)
+    if opts.broadcast_from_rank0 and world_of_many():
+        optim_state_dict = _broadcast_optim(optim_state_dict, optims, fqns, layouts)
+    optim_state_dict = _fqn_keyed(optim_state_dict, optims, fqns)
+    saved_state, saved_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
+    empty_saved = [g for g in saved_groups if not g.get("params")]
     used: set[str] = set()
     for n, optim in enumerate(optims):
         new_state: dict[int, dict[str, Any]] = {}
@@ -214,7 +220,10 @@ def set_optimizer_state_dict(
         index = 0
         for group in optim.param_groups:
             names = _names(list(group["params"]), fqns, n)
-            saved = _saved_group(saved_groups, names)
+            if names:
+                saved = _saved_group(saved_groups, names)
+            else:
+                saved = empty_saved.pop(0) if empty_saved else None
             base = {k: v for k, v in (saved or group).items() if k != "params"}
             new_groups.append({**base, "params": list(range(index, index + len(names)))})
             for p, name in zip(group["params"], names):
@@ -233,3 +242,126 @@ def set_optimizer_state_dict(
             "optimizers; skipped",
             stacklevel=2,
         )
+
+
+def _fqn_keyed(osd: Any, optims: list, fqns: dict[int, str]) -> dict[str, Any]:
+    """``osd`` as ``{"state": {fqn: ...}, "param_groups": [{"params": [fqn]}]}``, from
+    any of: that form, torch's flattened form, or a raw id-keyed ``Optimizer.state_dict()``."""
+    if not isinstance(osd, Mapping):
+        raise TypeError(
+            f"optim_state_dict must be a mapping, got {type(osd).__name__}; pass what "
+            "get_optimizer_state_dict or Optimizer.state_dict() returns"
+        )
+    if not {"state", "param_groups"} <= set(osd):
+        if osd and all(isinstance(k, str) and k.startswith(_FLAT) for k in osd):
+            return unflatten_optim(osd, optims, fqns)
+        raise StateDictMismatchError(
+            "optim_state_dict must be a mapping with 'state' and 'param_groups' keys (as "
+            "get_optimizer_state_dict or Optimizer.state_dict() return) or torch's flattened "
+            f"form; got keys {sorted(map(str, osd))[:5]}"
+        )
+    groups = osd["param_groups"]
+    ids = [i for g in groups for i in g.get("params", ())]
+    if not ids or all(isinstance(i, str) for i in ids):
+        return osd
+    if not all(isinstance(i, int) for i in ids):
+        raise TypeError("optim_state_dict param_groups mix parameter ids and FQNs")
+    params = [p for o in optims for p in _params(o)]
+    if len(ids) != len(params):
+        raise StateDictMismatchError(
+            f"optim_state_dict (an Optimizer.state_dict() keyed by ids) holds {len(ids)} "
+            f"parameters but the optimizers hold {len(params)}; they must match in order"
+        )
+    name_of = {i: fqns[id(p)] for i, p in zip(ids, params)}
+    return {
+        "state": {name_of[i]: v for i, v in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [name_of[i] for i in g.get("params", ())]} for g in groups
+        ],
+    }
+
+
+_FLAT = ("state.", "param_groups.")
+
+
+def flatten_optim(osd: dict[str, Any]) -> dict[str, Any]:
+    """torch's flattened optimizer state dict: ``state.<fqn>.<name>`` and
+    ``param_groups.<fqn>.<hyperparameter>``."""
+    out: dict[str, Any] = {}
+    for fqn, entry in osd["state"].items():
+        for name, value in entry.items():
+            out[f"state.{fqn}.{name}"] = value
+    for group in osd["param_groups"]:
+        for fqn in group["params"]:
+            for name, value in group.items():
+                if name != "params":
+                    out[f"param_groups.{fqn}.{name}"] = value
+    return out
+
+
+def unflatten_optim(flat: Mapping[str, Any], optims: list, fqns: dict[int, str]) -> dict:
+    """The nested form of :func:`flatten_optim`'s output, grouped like ``optims``."""
+    names = sorted({fqns[id(p)] for o in optims for p in _params(o)}, key=len, reverse=True)
+
+    def split(rest: str) -> tuple[str, str] | None:
+        for fqn in names:  # longest first: an FQN may contain dots
+            if rest.startswith(fqn + "."):
+                return fqn, rest[len(fqn) + 1 :]
+        return None
+
+    state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        kind, rest = key.split(".", 1)
+        found = split(rest)
+        if found is None:
+            continue
+        fqn, name = found
+        (state if kind == "state" else hyper).setdefault(fqn, {})[name] = value
+    groups = []
+    for o in optims:
+        for group in o.param_groups:
+            members = [fqns[id(p)] for p in group["params"]]
+            first = next((hyper[m] for m in members if m in hyper), None)
+            if first is not None:
+                groups.append({**first, "params": members})
+    return {"state": state, "param_groups": groups}
+
+
+def _broadcast_optim(osd: Any, optims: list, fqns: dict[int, str], layouts: dict) -> dict:
+    """Rank 0's optimizer state dict on every rank, each state tensor sliced like its
+    parameter as it arrives (see :mod:`._broadcast`)."""
+    params = {fqns[id(p)]: p for o in optims for p in _params(o)}
+
+    def make_items() -> list[tuple[str, Any]]:
+        nested = _fqn_keyed(osd, optims, fqns)
+        items = [(f"state.{fqn}.{k}", v) for fqn, e in nested["state"].items()
+                 for k, v in e.items()]  # fmt: skip
+        items.append(("param_groups", nested["param_groups"]))
+        return items
+
+    keys: dict[str, tuple[str, str]] = {}
+
+    def localize(key: str, full: torch.Tensor) -> Any:
+        rest = key[len("state.") :]
+        fqn = max((f for f in params if rest.startswith(f + ".")), key=len, default=None)
+        if fqn is None:
+            return full.clone()
+        keys[key] = (fqn, rest[len(fqn) + 1 :])
+        p = params[fqn]
+        return _import_for(full, p, layouts.get(id(p)))
+
+    got = broadcast_items(make_items, localize)
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in got.items():
+        if key == "param_groups":
+            continue
+        if key not in keys:  # a JSON value (e.g. a step count kept as a number)
+            rest = key[len("state.") :]
+            fqn = max((f for f in params if rest.startswith(f + ".")), key=len, default=None)
+            if fqn is None:
+                continue
+            keys[key] = (fqn, rest[len(fqn) + 1 :])
+        fqn, name = keys[key]
+        state.setdefault(fqn, {})[name] = value
+    return {"state": state, "param_groups": got["param_groups"]}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .._core._planner import warn_once
+
 __all__ = ["StateDictOptions"]
 
 
@@ -19,24 +21,57 @@ class StateDictOptions:
         cpu_offload: move plain tensors (and gathered ones) to CPU. Sharded values that are
             not gathered keep their device, since their mesh is bound to it.
         strict: when setting a model state dict, missing or unexpected keys raise
-            ``ValueError`` listing them; otherwise they are skipped with a warning.
+            :class:`~shardkit.checkpoint.StateDictMismatchError` (a ``RuntimeError``, as
+            torch, and a ``ValueError``) listing them; otherwise they are skipped and
+            returned in :class:`IncompatibleKeys`, as torch does.
         ignore_frozen_params: leave out parameters with ``requires_grad=False`` when
             getting, and do not report them as missing when setting.
+        keep_submodule_prefixes: with ``submodules``, keep the keys model-relative
+            (default) or make them relative to each submodule (torch's deprecated option).
+        broadcast_from_rank0: when setting, rank 0 alone holds a full state dict (the
+            others may pass ``{}``); each tensor is broadcast from rank 0 one at a time and
+            sliced to the local shard, so a rank's peak memory is about its shard plus one
+            tensor. Needs ``full_state_dict=True``, as in torch.
+        flatten_optimizer_state_dict: optimizer state dicts as one flat mapping,
+            ``state.<fqn>.<name>`` and ``param_groups.<fqn>.<hyperparameter>``, as torch's.
+            ``set_optimizer_state_dict`` accepts this form whatever the option.
+        dsd_fqn_modifiers: torch's hook name for modules that rename their FQNs; accepted,
+            shardkit's wrappers need no such hook (another value warns once).
     """
 
     full_state_dict: bool = False
     cpu_offload: bool = False
     strict: bool = True
     ignore_frozen_params: bool = False
+    keep_submodule_prefixes: bool = True
+    broadcast_from_rank0: bool = False
+    flatten_optimizer_state_dict: bool = False
+    dsd_fqn_modifiers: str = "_fqn_modifiers"
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "dsd_fqn_modifiers":
+                if not isinstance(value, str):
+                    raise TypeError(
+                        f"StateDictOptions.dsd_fqn_modifiers must be a str, got {value!r}"
+                    )
+                if value != "_fqn_modifiers":
+                    warn_once(
+                        f"StateDictOptions(dsd_fqn_modifiers={value!r}) has no effect: shardkit "
+                        "finds wrapper prefixes itself (docs/state-dict.md)"
+                    )
+                continue
             if not isinstance(value, bool):
                 raise TypeError(
                     f"StateDictOptions.{f.name} must be a bool, got {value!r} "
                     f"({type(value).__name__})"
                 )
+        if self.broadcast_from_rank0 and not self.full_state_dict:
+            raise ValueError(
+                "StateDictOptions(broadcast_from_rank0=True) needs full_state_dict=True: rank 0 "
+                "holds the full state dict that is broadcast"
+            )
 
 
 def resolve_options(options: StateDictOptions | None) -> StateDictOptions:
@@ -47,6 +82,6 @@ def resolve_options(options: StateDictOptions | None) -> StateDictOptions:
         raise TypeError(
             f"options must be a StateDictOptions, got {type(options).__name__}; build one with "
             "StateDictOptions(full_state_dict=..., cpu_offload=..., strict=..., "
-            "ignore_frozen_params=...)"
+            "ignore_frozen_params=..., broadcast_from_rank0=...)"
         )
     return options

@@ -7,6 +7,8 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ...spmd import ShardedTensor, mark_sharding
+from .._core._errors import StateDictMismatchError
+from .._core._planner import on_rank
 
 __all__ = ["is_sharded", "export_value", "import_value", "check_compatible"]
 
@@ -29,20 +31,27 @@ def export_value(value: object, *, full: bool, cpu: bool) -> object:
     return value
 
 
+def _device(value: torch.Tensor, target: torch.Tensor) -> torch.device:
+    """Where a value for ``target`` lives: the target's device, or the value's own where
+    the target is on the meta device (it is materialised there, as torch does)."""
+    return value.device if target.device.type == "meta" else target.device
+
+
 def _local_like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The plain full ``value`` laid out like the sharded ``target`` (no communication)."""
+    value = value.to(device=_device(value, target), dtype=target.dtype)
     if isinstance(target, DTensor):
-        value = value.to(device=target.device)
         return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
     assert isinstance(target, ShardedTensor)
-    return mark_sharding(value.to(device=target.device), target.mesh, target.partition_spec)
+    return mark_sharding(value, target.mesh, target.partition_spec)
 
 
 def import_value(value: object, target: object) -> object:
     """``value`` converted so it can be copied into ``target``.
 
     A full value meant for a sharded target is sliced locally; a sharded value meant for a
-    plain target is gathered; a plain value moves to the target's device.
+    plain target is gathered; a plain value moves to the target's device (its own device
+    for a meta target) and is cast to the target's dtype, as ``copy_`` would.
     """
     if not isinstance(value, torch.Tensor) or not isinstance(target, torch.Tensor):
         return value
@@ -56,13 +65,14 @@ def import_value(value: object, target: object) -> object:
             return _local_like(value.full_tensor(), target)
         if isinstance(value, DTensor) and isinstance(target, ShardedTensor):
             return _local_like(value.full_tensor(), target)
-        if not is_sharded(value) and value.device != target.device:
-            value = value.to(device=target.device)
+        if not is_sharded(value):
+            value = value.to(device=_device(value, target), dtype=target.dtype)
     return value
 
 
 def check_compatible(key: str, value: object, target: object, *, what: str) -> None:
-    """Raise ``ValueError`` naming ``key`` and both shapes / dtypes on a mismatch."""
+    """Raise :class:`StateDictMismatchError` naming ``key`` and both shapes on a shape
+    mismatch (dtypes are cast, as torch's ``load_state_dict``)."""
     if not isinstance(target, torch.Tensor):
         return
     if not isinstance(value, torch.Tensor):
@@ -71,12 +81,7 @@ def check_compatible(key: str, value: object, target: object, *, what: str) -> N
             f"{target.dtype}, got {type(value).__name__}"
         )
     if tuple(value.shape) != tuple(target.shape):
-        raise ValueError(
-            f"{what} key {key!r}: shape mismatch, the state dict has {tuple(value.shape)} "
-            f"but the model expects {tuple(target.shape)}"
-        )
-    if value.dtype != target.dtype:
-        raise ValueError(
-            f"{what} key {key!r}: dtype mismatch, the state dict has {value.dtype} but the "
-            f"model expects {target.dtype}; cast the value or the model first"
+        raise StateDictMismatchError(
+            f"{on_rank()}{what} key {key!r}: size mismatch, the state dict has "
+            f"{tuple(value.shape)} but the model expects {tuple(target.shape)}"
         )

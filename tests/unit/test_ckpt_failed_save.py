@@ -1,0 +1,75 @@
+"""A save that fails part-way (ENOSPC) removes its own partial files at once.
+
+Without that, a full disk stays full of the failed save's files, and every following
+save fails too until some later save succeeds and cleans up.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+import shardkit.checkpoint as dcp
+from shardkit.checkpoint._core import _storage
+
+
+def _state(v: float) -> dict:
+    return {"a": torch.full((256, 64), v), "b": torch.full((128, 64), -v)}
+
+
+@pytest.fixture
+def disk_full_after(monkeypatch):
+    """Make local data files fail with ENOSPC after ``limit[0]`` bytes of them."""
+    limit = [None]
+    real = _storage._write_local
+
+    def write(path, parts, *, exclusive, sync):
+        def limited():
+            written = 0
+            for part in parts:
+                if limit[0] is not None and "data-" in path and written + len(part) > limit[0]:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+                written += len(part)
+                yield part
+
+        real(path, limited(), exclusive=exclusive, sync=sync)
+
+    monkeypatch.setattr(_storage, "_write_local", write)
+    return limit
+
+
+def test_enospc_leaves_no_partial_file_and_keeps_the_old_checkpoint(tmp_path, disk_full_after):
+    path = str(tmp_path / "ckpt")
+    dcp.save(_state(1.0), storage_writer=dcp.FileSystemWriter(path, thread_count=2))
+    before = sorted(os.listdir(path))
+    disk_full_after[0] = 40_000  # the bigger file (64 KiB) fails part-way
+    with pytest.raises(OSError, match="No space left"):
+        dcp.save(_state(2.0), storage_writer=dcp.FileSystemWriter(path, thread_count=2))
+    assert sorted(os.listdir(path)) == before  # nothing of the failed save is left
+    got = {"a": torch.zeros(256, 64), "b": torch.zeros(128, 64)}
+    dcp.load(got, checkpoint_id=path)
+    assert torch.equal(got["a"], _state(1.0)["a"]) and torch.equal(got["b"], _state(1.0)["b"])
+    disk_full_after[0] = None  # space is back: the next save succeeds
+    dcp.save(_state(3.0), storage_writer=dcp.FileSystemWriter(path, thread_count=2))
+    dcp.load(got, checkpoint_id=path)
+    assert torch.equal(got["a"], _state(3.0)["a"])
+
+
+def test_failed_metadata_commit_leaves_no_temporary(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    real = _storage._write_local
+
+    def write(p, parts, *, exclusive, sync):
+        if ".tmp-" in p:
+            real(p, [b"{partial"], exclusive=exclusive, sync=sync)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), p)
+        real(p, parts, exclusive=exclusive, sync=sync)
+
+    monkeypatch.setattr(_storage, "_write_local", write)
+    with pytest.raises(OSError, match="No space left"):
+        dcp.save(_state(1.0), checkpoint_id=path)
+    assert not [n for n in os.listdir(path) if ".tmp-" in n or n == "metadata.json"]
+    assert not dcp.is_committed(path)
