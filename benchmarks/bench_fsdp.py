@@ -1,12 +1,14 @@
 """shardkit FSDP against torch FSDP2 (``fully_shard`` per block) on the same model.
 
 Two ranks (gloo, one thread each) train the same 8-block MLP-transformer-style model
-(d=512) with Adam under each framework in turn, in fresh processes so each peak RSS is
+(d=512), or with ``--model llama`` a Hugging Face ``LlamaForCausalLM`` (random init from a
+config: GQA, RoPE, SDPA; needs transformers), with Adam under each framework in turn, in fresh processes so each peak RSS is
 its own. Prints ONE JSON line: median step time, peak RSS (VmHWM) and peak RSS above the
 pre-model baseline per framework (the worst rank), and shardkit / torch ratios.
 
     .venv/bin/python benchmarks/bench_fsdp.py            # full run
     .venv/bin/python benchmarks/bench_fsdp.py --quick    # smoke run, tiny model
+    .venv/bin/python benchmarks/bench_fsdp.py --model llama [--quick]
 """
 
 from __future__ import annotations
@@ -52,6 +54,30 @@ def _model(blocks: int, d: int):
     return nn.Sequential(*[Block() for _ in range(blocks)]), Block
 
 
+def _llama(blocks: int, d: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=d,
+        intermediate_size=int(d * 8 / 3) // 8 * 8,
+        num_hidden_layers=blocks,
+        num_attention_heads=max(d // 64, 2),
+        num_key_value_heads=max(d // 128, 1),
+        max_position_embeddings=512,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg), LlamaDecoderLayer
+
+
+def _blocks(model):
+    return model.model.layers if hasattr(model, "model") else list(model)
+
+
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -81,7 +107,8 @@ def _worker(framework, rank, world, port, cfg, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     baseline = _status_kb("VmRSS")
-    model, block_cls = _model(cfg["blocks"], cfg["d"])
+    llama = cfg["model"] == "llama"
+    model, block_cls = (_llama if llama else _model)(cfg["blocks"], cfg["d"])
     # unsharded parameters + gradients + two Adam moments, all fp32
     full_bytes = sum(p.numel() for p in model.parameters()) * 4 * 4
     if framework == "shardkit":
@@ -99,7 +126,7 @@ def _worker(framework, rank, world, port, cfg, queue):
     else:
         from torch.distributed.fsdp import fully_shard
 
-        for block in model:
+        for block in _blocks(model):
             fully_shard(block)
         fully_shard(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -107,14 +134,17 @@ def _worker(framework, rank, world, port, cfg, queue):
     times = []
     total = cfg["warmup"] + cfg["steps"]
     for step in range(total):
-        x = torch.randn(cfg["batch"], cfg["seq"], cfg["d"], generator=g)
+        if llama:
+            x = torch.randint(0, 1024, (cfg["batch"], cfg["seq"]), generator=g)
+        else:
+            x = torch.randn(cfg["batch"], cfg["seq"], cfg["d"], generator=g)
         dist.barrier()
         if framework == "shardkit" and step == total - 1:
             from shardkit.fsdp._unit import GATHER_STATS
 
             GATHER_STATS.reset()
         start = time.perf_counter()
-        loss = model(x).square().mean()
+        loss = model(input_ids=x, labels=x).loss if llama else model(x).square().mean()
         loss.backward()
         opt.step()
         if step == total - 1:
@@ -156,11 +186,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs per framework")
+    parser.add_argument("--model", choices=("mlp", "llama"), default="mlp", help="what to train")
     args = parser.parse_args()
     cfg = dict(blocks=8, d=512, batch=4, seq=32, warmup=2, steps=6)
+    if args.model == "llama":
+        cfg = dict(blocks=4, d=512, batch=4, seq=64, warmup=2, steps=6)
     if args.quick:
         cfg = dict(blocks=2, d=64, batch=2, seq=8, warmup=1, steps=2)
         args.repeats = 1
+    cfg["model"] = args.model
     runs: dict[str, list[dict]] = {"shardkit": [], "torch_fsdp2": []}
     for _ in range(args.repeats):  # alternate, so machine noise hits both alike
         for name in runs:
@@ -171,7 +205,7 @@ def main() -> None:
     }
     sk, tf = figures["shardkit"], figures["torch_fsdp2"]
     out = {
-        "benchmark": "fsdp",
+        "benchmark": "fsdp" if args.model == "mlp" else "fsdp_llama",
         "config": {**cfg, "ranks": 2, "threads_per_rank": 1, "repeats": args.repeats},
         **figures,
         "step_time_ratio": round(sk["step_s"] / tf["step_s"], 3),

@@ -29,6 +29,7 @@ METADATA_FILE = "metadata.json"
 def add_subcommands(parser: argparse.ArgumentParser, add_debug: Callable) -> None:
     """Add ls / inspect / verify / convert / diff to the ``ckpt`` parser."""
     from ._ckpt_convert import FORMATS_FROM, FORMATS_TO, cmd_convert, cmd_diff
+    from ._ckpt_hf import add_hf_arguments
 
     sub = parser.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
 
@@ -49,7 +50,9 @@ def add_subcommands(parser: argparse.ArgumentParser, add_debug: Callable) -> Non
     p.add_argument("path", metavar="PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = command(
-        "convert", "convert between shardkit, torch.save, safetensors and torch DCP", cmd_convert
+        "convert",
+        "convert between shardkit, torch.save, safetensors, torch DCP and Hugging Face",
+        cmd_convert,
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
@@ -58,6 +61,7 @@ def add_subcommands(parser: argparse.ArgumentParser, add_debug: Callable) -> Non
         "--from", dest="from_", choices=FORMATS_FROM, help="input format (default: detected)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    add_hf_arguments(p)
     p = command("diff", "compare two checkpoints key by key", cmd_diff)
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")

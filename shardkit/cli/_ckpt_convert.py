@@ -20,7 +20,7 @@ from ._main import CliError
 
 __all__ = ["FORMATS_FROM", "FORMATS_TO", "cmd_convert", "cmd_diff", "detect_format"]
 
-FORMATS_TO = ("safetensors", "torch", "shardkit")
+FORMATS_TO = ("safetensors", "torch", "shardkit", "hf")
 FORMATS_FROM = ("torch-dcp", "torch", "safetensors", "shardkit")
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 
@@ -109,6 +109,10 @@ def _from_shardkit(src: str, fmt: str, dst: str) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert SRC to DST; formats from --from/--to or detected from SRC and DST's suffix."""
+    if args.to == "hf":
+        from ._ckpt_hf import cmd_convert_hf
+
+        return cmd_convert_hf(args)
     src_fmt = args.from_ or detect_format(args.src, hint=f"; pass --from {'|'.join(FORMATS_FROM)}")
     dst_fmt = args.to or _target_format(args.dst)
     if src_fmt == dst_fmt:

@@ -48,8 +48,10 @@ def _src(group) -> int:
 
 
 def prepare_buffers(root: nn.Module, opts: FSDPOptions, group, world: int) -> None:
-    """Sync buffers from rank 0 (if asked) and cast floating ones to the buffer dtype."""
-    dtype = opts.buffer_dtype or opts.compute_dtype
+    """Sync buffers from rank 0 (if asked); cast floating ones only to an explicit
+    ``buffer_dtype`` (by default they keep their dtype, as in FSDP2: RoPE's ``inv_freq``
+    must stay fp32)."""
+    dtype = opts.buffer_dtype
     for mod in own_modules(root):
         for name, buf in mod._buffers.items():
             if buf is None:

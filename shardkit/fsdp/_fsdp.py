@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ._build import prepare_buffers, shard_parameters
 from ._comm import group_info
+from ._hf import guard_save_pretrained
 from ._meta import FSDPUsageError, materialize_meta, uses_checkpointing
 from ._options import FSDPOptions
 from ._rows import describe_rows, install_optimizer_hooks, local_rows, row_entries
@@ -71,7 +72,8 @@ class FullyShardedDataParallel(nn.Module):
             unit, e.g. ``lambda m, **kw: FSDP(checkpoint_module(m), **kw)``.
         compute_dtype: dtype of gathered parameters and of forward / backward compute
             (bf16 or fp16 for mixed precision); shards stay in their own dtype.
-        buffer_dtype: dtype buffers are cast to (default: ``compute_dtype``).
+        buffer_dtype: dtype floating buffers are cast to; by default (``None``) they keep
+            their own dtype, as FSDP2 and autocast do (e.g. RoPE's fp32 ``inv_freq``).
         fp32_reduce_scatter: reduce gradients in fp32 rather than ``compute_dtype``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
         forward_prefetch / backward_prefetch: issue the next unit's all-gather early.
@@ -138,6 +140,7 @@ class FullyShardedDataParallel(nn.Module):
             auto_wrap(module, opts.auto_wrap_policy, wrapper, opts.for_child(), type(self))
         materialize_meta(module, opts.param_init_fn)
         self.module = module
+        guard_save_pretrained(module)  # HF models: never write local shards silently
         for inner in module.modules():
             if isinstance(inner, FullyShardedDataParallel):
                 inner._nested = True  # its state_dict() values are described by the root
@@ -156,6 +159,9 @@ class FullyShardedDataParallel(nn.Module):
         self._is_root: bool | None = None
         self.__dict__["_root"] = self  # not a submodule: no cycle in the module tree
         self._uses = 0  # gathers of this iteration whose backward has not run yet
+        # the tensors the last tracked forward installed; backward puts them back so a
+        # recomputation (checkpoint_module, HF gradient checkpointing) reads full values
+        self._fulls: tuple | None = None
         # root-only bookkeeping
         self._units: list[FullyShardedDataParallel] = []
         self._order: list[FullyShardedDataParallel] = []
@@ -212,6 +218,7 @@ class FullyShardedDataParallel(nn.Module):
             # a new iteration: nothing gathered may outlive an optimizer step
             for unit in root._units:
                 unit._uses = 0
+                unit._fulls = None
                 unit._restore_shards()
                 unit._state.free()
         if root._recording and self not in root._order:
@@ -251,6 +258,7 @@ class FullyShardedDataParallel(nn.Module):
         if track:
             self._uses += 1
             fulls = _AllGather.apply(self, *[p.shard for p in state.params])
+            self._fulls = fulls
         else:
             fulls = state.fulls()
         self._install(fulls)
@@ -289,11 +297,11 @@ class FullyShardedDataParallel(nn.Module):
         if not state.params:
             return
         state.ensure_gathered()
-        if self._has_checkpointed:
-            # recomputation reads module attributes: give it tensors that track grad
-            self._install(
-                [p.full.detach().requires_grad_(p.shard.requires_grad) for p in state.params]
-            )
+        if self._fulls is not None:
+            # an activation recomputation (ours or HF's gradient_checkpointing_enable(),
+            # reentrant or not) reads module attributes: give it the full parameters of
+            # forward, whose gradients flow into this unit's reduce-scatter
+            self._install(self._fulls)
         if root._opts.backward_prefetch:
             prev = root._neighbour(self, -1)
             if prev is not None and prev._uses > 0 and not prev._state.materialized:
@@ -314,6 +322,7 @@ class FullyShardedDataParallel(nn.Module):
             else:
                 state.accumulate(grads)
         if self._uses == 0:
+            self._fulls = None
             self._restore_shards()
             state.free()
 
@@ -323,6 +332,7 @@ class FullyShardedDataParallel(nn.Module):
             self._pending_reduces.popleft().finish()
         for unit in self._units:
             if unit._uses == 0:
+                unit._fulls = None
                 unit._restore_shards()
                 unit._state.free()
         self._callback_queued = False

@@ -229,14 +229,26 @@ def test_world_of_one_no_sync_accumulates():
 
 
 def test_world_of_one_mixed_precision_runs_in_bf16():
-    model = FSDP(_net(), auto_wrap_policy=BLOCK_POLICY, compute_dtype=torch.bfloat16)
+    model = FSDP(
+        _net(),
+        auto_wrap_policy=BLOCK_POLICY,
+        compute_dtype=torch.bfloat16,
+        buffer_dtype=torch.bfloat16,  # opt-in: by default buffers stay fp32
+    )
     out = model(torch.randn(2, 5))
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert all(
         p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters()
     )
-    assert model.module.shift.dtype == torch.bfloat16  # buffers follow compute_dtype
+    assert model.module.shift.dtype == torch.bfloat16
+
+
+def test_world_of_one_mixed_precision_keeps_buffers_fp32_by_default():
+    model = FSDP(_net(), auto_wrap_policy=BLOCK_POLICY, compute_dtype=torch.bfloat16)
+    assert model.module.shift.dtype == torch.float32
+    out = model(torch.randn(2, 5))  # bf16 activations + the fp32 buffer promote to fp32
+    assert out.dtype == torch.float32
 
 
 def test_per_rank_checkpoint_consolidates(tmp_path):
