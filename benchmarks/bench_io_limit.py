@@ -17,7 +17,8 @@ Each of ours is reported as a fraction of the plain I/O (plain seconds / our sec
 is recorded for every load. Prints one JSON line.
 
     .venv/bin/python benchmarks/bench_io_limit.py                     # 1 GiB, 7 rounds
-    .venv/bin/python benchmarks/bench_io_limit.py --size-mib 64 --rounds 3   # smoke run
+    .venv/bin/python benchmarks/bench_io_limit.py --quick    # smoke run: 64 MiB, 3 rounds
+    .venv/bin/python benchmarks/bench_io_limit.py --size-mib 4096 --threads 8
 """
 
 from __future__ import annotations
@@ -142,7 +143,10 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--dir", default=os.environ.get("BENCH_DIR"))
     parser.add_argument("--no-torch", action="store_true", help="skip torch DCP")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 64 MiB, 3 rounds")
     args = parser.parse_args()
+    if args.quick:
+        args.size_mib, args.rounds = 64, 3
     import torch.distributed.checkpoint as tdcp
 
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
