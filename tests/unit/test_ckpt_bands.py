@@ -88,3 +88,30 @@ def test_unequal_column_chunks_fill_a_band(tmp_path, bands):
     dcp.load(target, checkpoint_id=tmp_path)
     assert torch.equal(target["w"], full)
     assert bands == [True]
+
+
+def test_reader_threads_share_one_large_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(_format, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(_read_chunks, "_SPLIT_BYTES", 16 << 10)
+    ranges = []
+    real = _read_chunks._split
+    monkeypatch.setattr(
+        _read_chunks, "_split", lambda i, d: ranges.append(real(i, d)) or real(i, d)
+    )
+    full = torch.randn(1000, 48)  # 192 KB in one chunk, 4 KiB checksum blocks
+    md = dcp.save({"w": full}, checkpoint_id=tmp_path)
+    reader = dcp.FileSystemReader(tmp_path, thread_count=3)
+    target = {"w": torch.zeros(1000, 48)}
+    dcp.load(target, storage_reader=reader)
+    assert torch.equal(target["w"], full)
+    (parts,) = ranges
+    assert len(parts) > 4
+    (chunk,) = md.tensors["w"].chunks
+    assert all(p.box.offsets[0] % chunk.block_rows == 0 for p in parts)  # whole blocks
+    assert sum(p.box.sizes[0] for p in parts) == 1000
+    path = tmp_path / chunk.file
+    raw = bytearray(path.read_bytes())
+    raw[chunk.offset + chunk.nbytes - 5] ^= 0x01  # in the last range's last block
+    path.write_bytes(bytes(raw))
+    with pytest.raises(dcp.CorruptCheckpointError, match="checksum mismatch"):
+        dcp.load({"w": torch.zeros(1000, 48)}, storage_reader=reader)

@@ -208,7 +208,7 @@ def load_with_metadata(
     cast = [i for i in plan.items if flat.tensors[i.key].dtype != dtypes[i.key]]
     files = LocalFiles(reader)
     try:
-        if reader.thread_count > 1 and len(same) > 1:
+        if reader.thread_count > 1 and same:  # one large chunk is shared too
             with ThreadPoolExecutor(reader.thread_count) as pool:
                 read_items(planner, same, dtypes, files, pool)
         else:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from ...spmd.layout import Box
 from ._copy import copy_into
 from ._errors import CorruptCheckpointError
 from ._format import ChunkMeta, num_rows, row_bytes
@@ -40,6 +41,8 @@ _SCRATCH_PIECE_BYTES = 4 << 20
 #: Bytes per band of rows, all chunks of the band together, so the band's pieces stay
 #: in the CPU cache between hashing and copying.
 _BAND_PIECE_BYTES = 1 << 20
+#: Bytes of one large chunk that one reader thread takes at a time.
+_SPLIT_BYTES = 16 << 20
 
 _scratch = threading.local()
 
@@ -277,8 +280,32 @@ def _read_band(planner, items, dtypes, files) -> None:
                     pending[k] = next(pieces[k], None)
 
 
+def _split(item: ReadItem, dtype: torch.dtype) -> list[ReadItem]:
+    """``item`` cut into row ranges of about ``_SPLIT_BYTES`` on its chunk's checksum
+    block grid, so reader threads share one large chunk and hash no block twice."""
+    box, chunk = item.box, item.chunk
+    rb = row_bytes(box.sizes, dtype.itemsize)
+    if not box.ndim or rb * box.sizes[0] < 2 * _SPLIT_BYTES:
+        return [item]
+    block = max(1, chunk.block_rows)
+    step = max(1, _SPLIT_BYTES // max(1, rb))
+    step = -(-step // block) * block
+    start, end, c0 = box.offsets[0], box.offsets[0] + box.sizes[0], chunk.box.offsets[0]
+    cuts = [start]
+    cut = c0 + ((start - c0) // step + 1) * step
+    while cut < end:
+        cuts.append(cut)
+        cut += step
+    cuts.append(end)
+    return [
+        ReadItem(item.key, Box((a, *box.offsets[1:]), (b - a, *box.sizes[1:])), chunk)
+        for a, b in zip(cuts, cuts[1:])
+    ]
+
+
 def read_items(planner, items: list[ReadItem], dtypes: dict, files: LocalFiles, pool):
-    """Read every item, a band of side-by-side chunks at a time, on ``pool`` if given."""
+    """Read every item, a band of side-by-side chunks at a time, on ``pool`` if given
+    (a large single chunk in row ranges, so all the pool's threads read it)."""
     bands: dict[tuple, list[ReadItem]] = {}
     for item in sorted(items, key=lambda i: (i.chunk.file, i.chunk.offset)):
         rows = (item.box.offsets[:1], item.box.sizes[:1])
@@ -294,5 +321,11 @@ def read_items(planner, items: list[ReadItem], dtypes: dict, files: LocalFiles, 
         for group in bands.values():
             run(group)
         return
-    for fut in [pool.submit(run, group) for group in bands.values()]:
+    groups: list[list[ReadItem]] = []
+    for group in bands.values():
+        if len(group) == 1:
+            groups += [[part] for part in _split(group[0], dtypes[group[0].key])]
+        else:
+            groups.append(group)
+    for fut in [pool.submit(run, group) for group in groups]:
         fut.result()
