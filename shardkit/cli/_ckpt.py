@@ -27,7 +27,7 @@ METADATA_FILE = "metadata.json"
 
 
 def add_subcommands(parser: argparse.ArgumentParser, add_debug: Callable) -> None:
-    """Add ls / inspect / verify / convert / diff to the ``ckpt`` parser."""
+    """Add ls / inspect / verify / convert / materialize / diff to the ``ckpt`` parser."""
     from ._ckpt_convert import FORMATS_FROM, FORMATS_TO, cmd_convert, cmd_diff
     from ._ckpt_hf import add_hf_arguments
 
@@ -62,6 +62,13 @@ def add_subcommands(parser: argparse.ArgumentParser, add_debug: Callable) -> Non
     )
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     add_hf_arguments(p)
+    p = command(
+        "materialize",
+        "copy an incremental checkpoint to a new directory that references no other step",
+        cmd_materialize,
+    )
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
     p = command("diff", "compare two checkpoints key by key", cmd_diff)
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
@@ -167,21 +174,38 @@ def cmd_ls(args: argparse.Namespace) -> int:
         raise CliError(
             f"{args.path} holds no step_* checkpoints (not a CheckpointManager directory?)"
         )
-    rows = [["STEP", "CREATED", "SIZE", "FILES", "STATUS"]]
+    rows = [["STEP", "CREATED", "SIZE", "FILES", "SHARED", "STATUS"]]
     damaged = []
     for step in sorted(steps):
         url = f"{args.path.rstrip('/')}/{steps[step]}"
         status, md, why = step_status(url)
         if md is not None:
             size, files = human_bytes(sum(md.files.values())), str(len(md.files))
-            rows.append([str(step), md.created, size, files, status])
+            rows.append([str(step), md.created, size, files, _shared(md), status])
         else:
-            rows.append([str(step), "-", "-", "-", status])
+            rows.append([str(step), "-", "-", "-", "-", status])
         if why and status != "incomplete (never committed)":
             damaged.append(f"step {step}: {why}")
-    print(_table(rows, right={0, 2, 3}))
+    print(_table(rows, right={0, 2, 3, 4}))
     for line in damaged:
         print(f"WARNING {line}", file=sys.stderr)
+    return 0
+
+
+def _shared(md) -> str:
+    """How much of a step's tensor data lives in other steps' files (incremental saves)."""
+    total = sum(c.nbytes for t in md.tensors.values() for c in t.chunks)
+    shared = md.shared_bytes()
+    return f"{100 * shared / total:.0f}%" if total and shared else "-"
+
+
+def cmd_materialize(args: argparse.Namespace) -> int:
+    """Copy a checkpoint, inlining the chunks it references in other step directories."""
+    from ..checkpoint.format_utils import materialize
+
+    require_checkpoint_dir(args.src)
+    md = materialize(args.src, args.dst)
+    print(f"wrote {args.dst}: {human_bytes(sum(md.files.values()))} in {len(md.files)} files")
     return 0
 
 
@@ -206,7 +230,7 @@ def step_status(url: str):
     except CorruptCheckpointError as exc:
         return "DAMAGED", None, str(exc)
     try:
-        check_files(reader, md, set(md.files), {})
+        check_files(reader, md, md.file_names(), {})
     except CorruptCheckpointError as exc:
         return "DAMAGED", md, str(exc)
     return "committed", md, ""
@@ -232,6 +256,8 @@ def describe(path: str) -> dict:
         "world_size": md.world_size,
         "save_id": md.save_id,
         "total_bytes": sum(md.files.values()),
+        "shared_bytes": md.shared_bytes(),
+        "linked_dirs": sorted({link.dir for link in md.linked.values()}),
         "tensors": tensors,
         "values": {k: md.values[k] for k in sorted(md.values)},
         "pickled_objects": sorted(md.objects),
@@ -249,6 +275,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"created        {info['created']}")
     print(f"world size     {info['world_size']} (at save)")
     print(f"stored bytes   {human_bytes(info['total_bytes'])} in data files")
+    if info["linked_dirs"]:
+        print(
+            f"shared bytes   {human_bytes(info['shared_bytes'])} read from files of "
+            f"{', '.join(info['linked_dirs'])} (incremental; shardkit ckpt materialize "
+            "makes a self-contained copy)"
+        )
     rows = [["KEY", "DTYPE", "SHAPE", "CHUNKS", "BYTES"]]
     for key, t in info["tensors"].items():
         rows.append(
@@ -333,7 +365,7 @@ def _verify_one(path: str, no_progress: bool) -> int:
         raise VerifyFailed(str(exc)) from None
     failures: list[str] = []
     bad_files = set()
-    for name in sorted(md.files):
+    for name in sorted(md.file_names()):
         try:  # exists, regular file, recorded size, safetensors header
             check_files(reader, md, {name}, {})
         except CorruptCheckpointError as exc:

@@ -139,7 +139,7 @@ def test_ls_lists_manager_steps_with_times_and_sizes(tmp_path):
     mgr.close()
     (run / "step_00000030").mkdir()  # an interrupted save: no metadata.json
     out = shardkit("ckpt", "ls", run).stdout.splitlines()
-    assert out[0].split() == ["STEP", "CREATED", "SIZE", "FILES", "STATUS"]
+    assert out[0].split() == ["STEP", "CREATED", "SIZE", "FILES", "SHARED", "STATUS"]
     rows = [line.split() for line in out[1:]]
     assert [r[0] for r in rows] == ["0", "10", "20", "30"]
     for r in rows[:3]:

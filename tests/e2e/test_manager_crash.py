@@ -8,6 +8,11 @@ Retention tolerance: a kill can land after a commit but before its background
 retention pass, so up to ``MAX_TO_KEEP + MAX_PENDING`` committed steps may be listed
 (the manager never lets more accumulate: each save first waits for the previous
 commit's retention pass). The listed steps are always the newest, consecutive ones.
+
+The incremental variant keeps a frozen tensor: each step references the frozen bytes in
+the directory of the step that wrote them, so retention and the restart's cleanup must
+keep exactly the files that listed steps reference (a directory without metadata may
+survive, holding nothing else).
 """
 
 from __future__ import annotations
@@ -19,17 +24,26 @@ import random
 import signal
 import time
 
+import pytest
 import torch
 
 KILLS = 20
+KILLS_INCREMENTAL = 8
 MAX_TO_KEEP = 3
 MAX_PENDING = 1
+
+
+FROZEN = torch.randn(64, 64, generator=torch.Generator().manual_seed(-1))
 
 
 def _expected(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     return {
-        "model": {"w": torch.randn(32, 16, generator=g), "b": torch.randn(16, generator=g)},
+        "model": {
+            "w": torch.randn(32, 16, generator=g),
+            "b": torch.randn(16, generator=g),
+            "frozen": FROZEN,
+        },
         "optim": {"step": torch.tensor(float(step)), "m": torch.randn(32, 16, generator=g)},
         "progress": {"step": step, "tag": f"s{step}"},
     }
@@ -37,7 +51,7 @@ def _expected(step: int) -> dict:
 
 def _alloc() -> dict:
     return {
-        "model": {"w": torch.zeros(32, 16), "b": torch.zeros(16)},
+        "model": {"w": torch.zeros(32, 16), "b": torch.zeros(16), "frozen": torch.zeros(64, 64)},
         "optim": {"step": torch.tensor(0.0), "m": torch.zeros(32, 16)},
         "progress": {"step": -1, "tag": ""},
     }
@@ -57,7 +71,7 @@ def _equal(a: dict, b: dict) -> bool:
     return tensors and a["progress"] == b["progress"]
 
 
-def _manager(url):
+def _manager(url, incremental=False):
     from shardkit.checkpoint import CheckpointManager
 
     return CheckpointManager(
@@ -66,19 +80,21 @@ def _manager(url):
         max_to_keep=MAX_TO_KEEP,
         max_pending_async=MAX_PENDING,
         chkpt_on_preemption=False,
+        incremental=incremental,
     )
 
 
-def _loop(url: str, conn) -> None:
+def _loop(url: str, conn, incremental: bool) -> None:
     """The training loop that gets killed: resume, then save every step asynchronously.
 
     Its first save takes over the lease of the killed loop (same host, dead pid) and
-    removes the incomplete step directories that loop left; it reports what is left.
+    removes the incomplete step directories that loop left; it reports what is left
+    (incremental: files that no listed step references).
     """
     from shardkit.checkpoint._manager._storage import StepStore
 
     torch.set_num_threads(1)
-    mgr = _manager(url)
+    mgr = _manager(url, incremental)
     latest = mgr.latest_step()
     state = _alloc()
     if latest is not None:
@@ -90,11 +106,34 @@ def _loop(url: str, conn) -> None:
         mgr.save_async(step, state)
         if step == first:
             store = StepStore(url)
-            leftover = [s for s in store.list_step_dirs() if s != first and not store.has_marker(s)]
+            if incremental:  # directories of deleted steps may keep referenced files
+                leftover = _unreferenced_leftovers(store, store.committed_steps(), skip={first})
+            else:
+                leftover = [
+                    s for s in store.list_step_dirs() if s != first and not store.has_marker(s)
+                ]
             conn.send((latest, ok, leftover))
 
 
-def test_sigkill_at_random_moments_never_loses_a_committed_step(tmp_path):
+def _unreferenced_leftovers(store, steps, skip=()) -> list[str]:
+    """Entries of directories without metadata that no listed step references."""
+    from shardkit.checkpoint._manager._refs import referenced_files
+    from shardkit.checkpoint._manager._storage import step_dir_name
+
+    referenced = referenced_files(store, steps)
+    bad = []
+    for s in store.list_step_dirs():
+        if s in steps or s in skip:
+            continue
+        name = step_dir_name(s)
+        entries = os.listdir(os.path.join(store.root, name))
+        bad += [f"{name}/{e}" for e in entries if e not in referenced.get(name, set())]
+        bad += [f"{name}/ (empty)"] if not entries else []
+    return bad
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_sigkill_at_random_moments_never_loses_a_committed_step(tmp_path, incremental):
     import torch.distributed.tensor  # noqa: F401  (imported once here, not in every child)
 
     from shardkit.checkpoint._manager._storage import StepStore
@@ -105,9 +144,10 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(tmp_path):
     ctx = mp.get_context("fork")
     rng = random.Random(20261122)
     newest, mid_save_kills = None, 0
-    for kill in range(KILLS):
+    kills = KILLS_INCREMENTAL if incremental else KILLS
+    for kill in range(kills):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_loop, args=(url, send), daemon=True)
+        proc = ctx.Process(target=_loop, args=(url, send, incremental), daemon=True)
         proc.start()
         send.close()
         try:
@@ -125,7 +165,7 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(tmp_path):
         store = StepStore(url)
         dirs = store.list_step_dirs()
         mid_save_kills += any(not store.has_marker(s) for s in dirs)
-        mgr = _manager(url)  # a reader until it saves: it deletes nothing
+        mgr = _manager(url, incremental)  # a reader until it saves: it deletes nothing
         steps = mgr.all_steps()
         assert set(steps) <= set(dirs), (steps, dirs)
         if newest is not None:
@@ -138,6 +178,10 @@ def test_sigkill_at_random_moments_never_loses_a_committed_step(tmp_path):
             newest = steps[-1]
         mgr.close()
         assert store.list_step_dirs() == dirs, f"kill {kill}: a reader changed the directory"
-    assert newest is not None and newest >= KILLS, f"the loop barely progressed: {newest}"
+    assert newest is not None and newest >= kills, f"the loop barely progressed: {newest}"
     assert mid_save_kills >= 1, "no kill landed during a save; the test exercised nothing"
-    print(f"newest step {newest}; {mid_save_kills}/{KILLS} kills interrupted a save")
+    if incremental:  # every listed step shares the frozen bytes of an older directory
+        from shardkit.checkpoint import read_metadata
+
+        assert read_metadata(store.step_url(newest)).linked, "nothing was shared"
+    print(f"newest step {newest}; {mid_save_kills}/{kills} kills interrupted a save")

@@ -120,7 +120,7 @@ def checkpoint_metadata(checkpoint_id: str | os.PathLike) -> tuple[Metadata, _Ca
     metadata = Metadata.from_json(raw, f"{os.fspath(checkpoint_id)}/metadata.json")
     # every declared byte must be backed by a file of the recorded size (and header) before
     # anything is allocated or written from the declared shapes
-    check_files(reader, metadata, set(metadata.files), {})
+    check_files(reader, metadata, metadata.file_names(), {})
     return metadata, reader
 
 

@@ -22,6 +22,7 @@ from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
 from ._save import (
     SaveJob,
+    base_reader,
     max_file_bytes,
     prepare,
     resolve_writer,
@@ -103,6 +104,7 @@ def async_save(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     process_group: Any = None,
+    incremental_base: str | os.PathLike | None = None,
     async_checkpointer_type: Any = None,
     async_stager: Any = None,
     no_dist: bool = False,
@@ -113,6 +115,9 @@ def async_save(
     The caller may change its tensors as soon as this returns. The first call creates a
     private gloo group (collectively); a call made while a previous save is still in
     flight waits for it first, so at most one staging copy exists per rank.
+
+    ``incremental_base`` works as in :func:`save` (the comparison with the base runs in
+    the background, on the staged copy).
 
     ``no_dist`` and ``use_collectives`` are as in :func:`save`; torch's
     ``async_checkpointer_type`` and ``async_stager`` are accepted (shardkit stages on the
@@ -126,6 +131,7 @@ def async_save(
     planner = planner if planner is not None else DefaultSavePlanner()
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
+    base = base_reader(writer, incremental_base)
     wait_for_inflight()
     future: Future = Future()
     future.set_running_or_notify_cancel()
@@ -133,6 +139,7 @@ def async_save(
         local = check_async_args(async_checkpointer_type, async_stager, no_dist, use_collectives)
         comm = Comm(None, local=True) if local else Comm(_private_group(process_group))
         job = prepare(state_dict, planner, comm, writer.thread_count, max_file_bytes(writer))
+        job.base = base
         staged = _stage(job)
     except BaseException as exc:
         future.set_exception(exc)

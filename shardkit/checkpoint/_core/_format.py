@@ -18,13 +18,16 @@ import torch
 from ...spmd.layout import Box
 from ._errors import CorruptCheckpointError
 
-__all__ = ["Metadata", "TensorMeta", "ChunkMeta", "ObjectMeta"]
+__all__ = ["Metadata", "TensorMeta", "ChunkMeta", "ObjectMeta", "LinkMeta"]
 
 FORMAT_NAME = "shardkit.checkpoint"
 FORMAT_VERSION = 2
-#: Versions this shardkit reads: 1 (no metadata checksum) and 2 (sealed metadata, checked
-#: safetensors headers).
-READ_VERSIONS = (1, 2)
+#: The version of an incremental checkpoint (one whose chunks reference data files of a
+#: sibling checkpoint directory, ``linked``); full saves keep writing FORMAT_VERSION.
+LINKED_VERSION = 3
+#: Versions this shardkit reads: 1 (no metadata checksum), 2 (sealed metadata, checked
+#: safetensors headers) and 3 (2 plus references to sibling directories' files).
+READ_VERSIONS = (1, 2, 3)
 METADATA_FILE = "metadata.json"
 #: Target bytes covered by one checksum: a partial read verifies whole blocks only.
 BLOCK_BYTES = 4 << 20
@@ -194,6 +197,21 @@ class ObjectMeta:
     checksum: str
 
 
+@dataclass(frozen=True)
+class LinkMeta:
+    """A data file of a sibling checkpoint directory that an incremental checkpoint reads.
+
+    ``dir`` is the sibling directory's plain name (same parent directory), ``size`` the
+    file's size, and the file starts with ``header_nbytes`` bytes of safetensors header
+    whose XXH3-64 is ``header_xxh3_64``.
+    """
+
+    dir: str
+    size: int
+    header_nbytes: int
+    header_xxh3_64: str
+
+
 @dataclass
 class Metadata:
     """What a committed checkpoint holds; stored as JSON, never pickle.
@@ -204,7 +222,9 @@ class Metadata:
         tensors: key -> :class:`TensorMeta`.
         values: key -> JSON value, already decoded.
         objects: key -> :class:`ObjectMeta` of values saved with ``allow_pickle=True``.
-        files: data file name -> size in bytes.
+        files: data file name -> size in bytes (files in this directory).
+        linked: data file name -> :class:`LinkMeta` of files in sibling directories that
+            chunks of an incremental checkpoint reference (empty for a full checkpoint).
     """
 
     save_id: str
@@ -213,11 +233,25 @@ class Metadata:
     values: dict[str, Any] = field(default_factory=dict)
     objects: dict[str, ObjectMeta] = field(default_factory=dict)
     files: dict[str, int] = field(default_factory=dict)
+    linked: dict[str, LinkMeta] = field(default_factory=dict)
     version: int = FORMAT_VERSION
     created: str = ""
     #: data file name -> the exact safetensors header bytes it must start with (version 2;
     #: filled by the reader's validation, never written).
     headers: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+    #: linked file name -> ``(chunk name, dtype, sizes, offset, nbytes)`` of the chunks read
+    #: from it (filled by validation; checked against the file's header before reading).
+    link_chunks: dict[str, list] = field(default_factory=dict, repr=False, compare=False)
+
+    def file_names(self) -> set[str]:
+        """Every data file a full read needs: this directory's and the linked ones."""
+        return {*self.files, *self.linked}
+
+    def shared_bytes(self) -> int:
+        """Bytes of tensor chunks read from linked files (0 for a full checkpoint)."""
+        return sum(
+            c.nbytes for t in self.tensors.values() for c in t.chunks if c.file in self.linked
+        )
 
     def keys(self) -> list[str]:
         """Every saved key: tensors, JSON values and pickled objects."""
@@ -244,6 +278,21 @@ class Metadata:
             "created": self.created,
             "world_size": self.world_size,
             "files": self.files,
+            **(
+                {
+                    "linked": {
+                        name: {
+                            "dir": link.dir,
+                            "size": link.size,
+                            "header_nbytes": link.header_nbytes,
+                            "header_xxh3_64": link.header_xxh3_64,
+                        }
+                        for name, link in self.linked.items()
+                    }
+                }
+                if self.linked
+                else {}
+            ),
             "tensors": {
                 key: {
                     "dtype": str(t.dtype).removeprefix("torch."),
@@ -322,6 +371,16 @@ class Metadata:
             values = {k: decode_value(v) for k, v in doc["values"].items()}
             where = "files"
             files = {_str(k): _int(v) for k, v in doc["files"].items()}
+            where = "linked"
+            linked = {
+                _str(k): LinkMeta(
+                    _str(v["dir"]),
+                    _int(v["size"]),
+                    _int(v["header_nbytes"]),
+                    _str(v["header_xxh3_64"]),
+                )
+                for k, v in doc.get("linked", {}).items()
+            }
             where = "the header"
             return cls(
                 save_id=_str(doc["save_id"]),
@@ -330,6 +389,7 @@ class Metadata:
                 values=values,
                 objects=objects,
                 files=files,
+                linked=linked,
                 version=doc["version"],
                 created=str(doc.get("created", "")),
             )

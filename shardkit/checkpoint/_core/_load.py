@@ -93,7 +93,7 @@ def is_committed(checkpoint_id: str | os.PathLike, *, storage_options: dict | No
     reader = FileSystemReader(checkpoint_id, storage_options=storage_options)
     try:
         metadata = _metadata(reader)
-        _check_files(reader, metadata, set(metadata.files), {})
+        _check_files(reader, metadata, metadata.file_names(), {})
     except CheckpointError:
         return False
     return True

@@ -34,6 +34,7 @@ from ._format import (
     row_bytes,
     safetensors_header,
 )
+from ._incremental import linked_version, links_from_replies
 from ._planner import DefaultSavePlanner, SavePlan, SavePlanner, WriteItem
 from ._storage import FileSystemWriter, StorageWriter
 from ._torch_args import check_no_dist
@@ -75,9 +76,13 @@ class SaveJob:
     flat: Flat
     planner: SavePlanner
     files: list[tuple[str, list[WriteItem]]] = field(default_factory=list)
+    #: an incremental save's base checkpoint (a sibling directory's reader), else None
+    base: Any = None
     #: An error to report on every rank at the write agreement instead of writing
     #: (a ReplicaMismatchWarning promoted to an error on this rank).
     error: BaseException | None = None
+    #: most tensor bytes per data file (``max_file_bytes`` of the writer), None: no cap
+    file_cap: int | None = None
 
     @property
     def is_coordinator(self) -> bool:
@@ -299,10 +304,35 @@ def prepare(
     mine = planner.create_global_plan(plans)[comm.rank]
     job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner)
     job.error = _warn_mismatches(mismatched)
+    job.file_cap = file_cap
     bins = _assign_files(_cap_items(mine.items, file_cap), thread_count)
-    for k, items in enumerate(_cap_files(bins, file_cap)):
-        job.files.append((f"data-{save_id}-{comm.rank:05d}-{k:03d}.safetensors", items))
+    job.files = _name_files(job, _cap_files(bins, file_cap))
     return job
+
+
+def _name_files(job: SaveJob, bins: list[list[WriteItem]]) -> list[tuple[str, list[WriteItem]]]:
+    return [
+        (f"data-{job.save_id}-{job.rank:05d}-{k:03d}.safetensors", items)
+        for k, items in enumerate(bins)
+    ]
+
+
+def _reuse_base(job: SaveJob, writer: StorageWriter, data: Callable) -> tuple[list, dict]:
+    """Incremental save: keep only changed chunks in ``job.files``; records of the rest."""
+    from ._incremental import open_base, reuse_chunks
+
+    base = open_base(job.base)
+    if base is None:
+        return [], {}
+    items = [i for _, items in job.files for i in items]
+    try:
+        to_write, records, linked = reuse_chunks(base, items, data, bytes_view)
+    finally:
+        base.close()
+    job.files = _name_files(
+        job, _cap_files(_assign_files(to_write, writer.thread_count), job.file_cap)
+    )
+    return records, linked
 
 
 def _tensor_name(item: WriteItem) -> str:
@@ -372,14 +402,16 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
     try:
         if job.error is not None:
             raise job.error
-        records, sizes = [], {}
+        records, sizes, linked = [], {}, {}
+        if job.base is not None:
+            records, linked = _reuse_base(job, writer, data)
         with ThreadPoolExecutor(max(1, min(len(job.files), writer.thread_count))) as pool:
             futures = [pool.submit(_write_file, writer, n, i, data) for n, i in job.files]
             for (name, _), fut in zip(job.files, futures):
                 recs, size = fut.result()
                 records += recs
                 sizes[name] = size
-        payload = {"chunks": records, "files": sizes}
+        payload = {"chunks": records, "files": sizes, "linked": linked}
         if job.is_coordinator:
             payload["values"] = {k: encode_value(v) for k, v in job.flat.values.items()}
             payload["objects"] = _write_objects(job, writer, sizes)
@@ -457,6 +489,8 @@ def _build_metadata(job: SaveJob, replies: list[dict]) -> Metadata:
         dtype, shape = shapes[key]
         ordered = sorted(chunks[key], key=lambda c: c.box.offsets)
         md.tensors[key] = TensorMeta(dtype, shape, tuple(ordered))
+    md.linked = links_from_replies(replies)
+    md.version = linked_version(md.linked) or md.version
     md.values = {k: decode_value(v) for k, v in coord.get("values", {}).items()}
     md.objects = {
         k: ObjectMeta(o["file"], o["offset"], o["nbytes"], o["xxh3_64"])
@@ -514,6 +548,7 @@ def save(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     process_group: Any = None,
+    incremental_base: str | os.PathLike | None = None,
     no_dist: bool = False,
     use_collectives: bool = True,
 ) -> Metadata:
@@ -532,6 +567,11 @@ def save(
         planner: defaults to :class:`DefaultSavePlanner`.
         process_group: the ranks saving together (default: the world; none needed
             in a single process).
+        incremental_base: a committed checkpoint in a sibling directory (same parent).
+            Chunks whose bytes equal the base's (same key and box) are not written: the
+            new metadata references the base's files, which must then outlive this
+            checkpoint (``CheckpointManager(incremental=True)`` reference-counts them).
+            Off (None) by default; see docs/checkpoint.md.
         no_dist: save as a world of one with no collectives, even in a process group
             (as torch's; each rank then needs its own ``checkpoint_id``).
         use_collectives: torch's; only True (or a world of one) is supported.
@@ -545,5 +585,16 @@ def save(
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     wait_for_inflight()
     comm = Comm(process_group, local=check_no_dist(no_dist, use_collectives))
+    base = base_reader(writer, incremental_base)
     job = prepare(state_dict, planner, comm, writer.thread_count, max_file_bytes(writer))
+    job.base = base
     return write_and_commit(job, writer, comm, live_data(planner))
+
+
+def base_reader(writer: StorageWriter, incremental_base: Any) -> Any:
+    """The base's reader (validated as a sibling of ``writer``'s directory), or None."""
+    if incremental_base is None:
+        return None
+    from ._incremental import check_sibling
+
+    return check_sibling(writer, incremental_base)

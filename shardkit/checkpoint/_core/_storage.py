@@ -80,17 +80,66 @@ class _FileSystem:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise TypeError(f"storage_options must be a dict, got {storage_options!r}")
         self.url = os.fspath(path)
-        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.storage_options = dict(storage_options or {})
+        self.fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
+        self._links: dict[str, str] = {}
+
+    @property
+    def parent(self) -> str:
+        """The directory holding this checkpoint directory (where its siblings live)."""
+        return os.path.dirname(self.root) if self.local else self.root.rsplit("/", 1)[0]
+
+    @property
+    def dir_name(self) -> str:
+        """This checkpoint directory's own name inside :attr:`parent`."""
+        return os.path.basename(self.root) if self.local else self.root.rsplit("/", 1)[-1]
+
+    def set_links(self, links: dict[str, str]) -> None:
+        """Linked file name -> sibling directory name (plain names, checked by the metadata
+        validation); ``join`` then finds those files in ``<parent>/<dir>/``."""
+        from ._validate import check_name
+
+        for name, folder in links.items():
+            check_name(name, f"{self.url}: linked file")
+            check_name(folder, f"{self.url}: linked directory")
+        self._links = dict(links)
 
     def join(self, name: str) -> str:
         """The path of entry ``name``, which must be a plain file name (no ``/``, ``..``,
-        absolute path or URL): a checkpoint is exactly its directory."""
+        absolute path or URL): a checkpoint is exactly its directory, plus the files of
+        sibling directories its metadata links (by plain names, see ``set_links``)."""
         from ._validate import check_name
 
         check_name(name, f"{self.url}: file")
+        folder = self._links.get(name)
+        if folder is not None:
+            if self.local:
+                return os.path.join(self.parent, folder, name)
+            return f"{self.parent}/{folder}/{name}"
         return os.path.join(self.root, name) if self.local else f"{self.root}/{name}"
+
+    def _open_nofollow(self, name: str, flags: int) -> int:
+        """``os.open`` of ``join(name)`` following no symlink in the last component, nor in
+        the sibling directory's name of a linked file."""
+        folder = self._links.get(name)
+        if folder is None:
+            return os.open(self.join(name), flags)
+        dflags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        try:
+            dfd = os.open(os.path.join(self.parent, folder), dflags)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            raise CorruptCheckpointError(
+                f"{self.url}: linked directory {folder} is not a plain directory beside the "
+                "checkpoint (a symbolic link or another kind of entry); refused"
+            ) from None
+        try:
+            return os.open(name, flags, dir_fd=dfd)
+        finally:
+            os.close(dfd)
 
     def open_local(self, name: str) -> int:
         """A read-only descriptor of local entry ``name``: never through a symlink, never
@@ -98,7 +147,7 @@ class _FileSystem:
         path = self.join(name)
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(path, flags)
+            fd = self._open_nofollow(name, flags)
         except OSError as exc:
             if isinstance(exc, FileNotFoundError):
                 raise FileNotFoundError(f"{self.url}: {name} does not exist") from None
@@ -316,6 +365,12 @@ class FileSystemReader(_FileSystem):
         return self.fs.cat_file(path)
 
     def file_size(self, name: str) -> int:
+        if self.local and name in self._links:
+            fd = self.open_local(name)  # no symlinked sibling, regular file only
+            try:
+                return os.fstat(fd).st_size
+            finally:
+                os.close(fd)
         if self.local:
             path = self.join(name)
             st = os.lstat(path)

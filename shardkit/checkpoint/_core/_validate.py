@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import struct
 from collections import defaultdict
 from typing import Any
 
@@ -21,9 +22,11 @@ import xxhash
 from ._errors import CorruptCheckpointError
 from ._format import (
     FORMAT_NAME,
+    LINKED_VERSION,
     READ_VERSIONS,
     Metadata,
     num_rows,
+    safetensors_dtype,
     safetensors_header,
 )
 
@@ -35,6 +38,7 @@ __all__ = [
     "parse_metadata",
     "validate",
     "check_files",
+    "attach_links",
     "where",
 ]
 
@@ -198,7 +202,8 @@ def validate(md: Metadata, source: str) -> None:
         check_name(name, f"{source}: file")
         if size < 0:
             _fail(source, f"file {name}", f"negative size {size}")
-    files = md.files
+    _validate_links(md, source)
+    files = {**{n: link.size for n, link in md.linked.items()}, **md.files}
     ranges: dict[str, list[tuple[int, int, Any]]] = defaultdict(list)
     for key, t in md.tensors.items():
         shape, ndim = t.shape, len(t.shape)
@@ -219,7 +224,7 @@ def validate(md: Metadata, source: str) -> None:
                 boxes.append((offsets, ends))
             if c.file not in files:  # names in `files` were checked above
                 check_name(c.file, f"{source}: {_label(key, c)}: file")
-                _fail(source, _label(key, c), f"file {c.file} is not listed in 'files'")
+                _fail(source, _label(key, c), f"file {c.file} is not listed in 'files' or 'linked'")
             if c.offset < 0 or c.nbytes < 0:
                 _fail(source, _label(key, c), f"negative offset {c.offset} or nbytes {c.nbytes}")
             if c.nbytes != numel * itemsize:
@@ -255,7 +260,7 @@ def validate(md: Metadata, source: str) -> None:
     object_files = set()
     for key, o in md.objects.items():
         check_name(o.file, f"{source}: object {key!r}: file")
-        if o.file not in md.files:
+        if o.file not in md.files:  # pickles are never shared: only this directory's files
             _fail(source, f"object {key!r}", f"file {o.file} is not listed in 'files'")
         if o.offset < 0 or o.nbytes < 0 or o.offset + o.nbytes > md.files[o.file]:
             _fail(
@@ -268,7 +273,8 @@ def validate(md: Metadata, source: str) -> None:
             _fail(source, f"object {key!r}", "its checksum is not 16 lowercase hex digits")
         ranges[o.file].append((o.offset, o.nbytes, None))
         object_files.add(o.file)
-    headers = {}
+    headers: dict[str, bytes] = {}
+    link_chunks: dict[str, list] = {}
     for name, spans in ranges.items():
         # file order; empty chunks sit at the end of their file, by name (see save)
         spans.sort(key=lambda s: (s[0], s[1] == 0, s[2][0] if s[2] else ""))
@@ -277,6 +283,12 @@ def validate(md: Metadata, source: str) -> None:
         for (a, n, _), (b, _, _) in zip(spans, spans[1:]):
             if b < a + n:
                 _fail(source, f"file {name}", f"byte ranges at {a} and {b} overlap")
+        if name in md.linked:  # only some of its chunks are ours: checked against its header
+            link = md.linked[name]
+            if spans[0][0] < link.header_nbytes:
+                _fail(source, f"linked file {name}", "a chunk starts inside its header")
+            link_chunks[name] = [(*s[2][:3], s[0], s[1]) for s in spans]
+            continue
         if md.version < 2:
             continue
         start = 0
@@ -296,17 +308,97 @@ def validate(md: Metadata, source: str) -> None:
                 f"its chunks end at byte {pos} but the file is {md.files[name]} bytes",
             )
     if md.version >= 2:
-        for name in md.files:
+        for name in md.file_names():
             if name not in ranges:
-                _fail(source, f"file {name}", "is listed in 'files' but holds nothing")
+                _fail(source, f"file {name}", "is listed in 'files' or 'linked' but holds nothing")
     md.headers = headers
+    md.link_chunks = link_chunks
+
+
+def _validate_links(md: Metadata, source: str) -> None:
+    """References to files of sibling directories (version 3): plain names only.
+
+    A linked file is ``<parent>/<dir>/<name>`` where ``<parent>`` is the directory holding
+    this checkpoint; both ``dir`` and ``name`` must be plain names, so a reference can
+    never leave the parent directory (no ``..``, ``/``, absolute path or URL).
+    """
+    if md.linked and md.version < LINKED_VERSION:
+        _fail(source, "linked", f"references need format version {LINKED_VERSION}")
+    for name, link in md.linked.items():
+        check_name(name, f"{source}: linked file")
+        check_name(link.dir, f"{source}: linked file {name}: directory")
+        if name in md.files:
+            _fail(source, f"linked file {name}", "is also listed in 'files'")
+        if not 8 <= link.header_nbytes <= min(link.size, MAX_HEADER_BYTES):
+            _fail(
+                source,
+                f"linked file {name}",
+                f"header of {link.header_nbytes} bytes does not fit a {link.size}-byte file",
+            )
+        if not _HEX16.fullmatch(link.header_xxh3_64):
+            _fail(source, f"linked file {name}", "its checksum is not 16 lowercase hex digits")
+
+
+def _check_linked_header(reader: Any, md: Metadata, name: str, holds: str) -> None:
+    """A linked file starts with the header its link recorded, and that header places
+    every chunk read from it exactly where the metadata says (name, dtype, shape, range)."""
+    link = md.linked[name]
+    buf = bytearray(link.header_nbytes)
+    try:
+        reader.read_into(name, 0, memoryview(buf))
+    except (FileNotFoundError, EOFError) as exc:
+        raise CorruptCheckpointError(f"{where(reader)}: linked file {name}: {exc}") from None
+    if xxhash.xxh3_64_hexdigest(buf) != link.header_xxh3_64:
+        raise CorruptCheckpointError(
+            f"{where(reader)}: linked file {link.dir}/{name}: its safetensors header does not "
+            f"match the checksum recorded for it (damaged or replaced); it holds {holds}"
+        )
+    (length,) = struct.unpack("<Q", bytes(buf[:8]))
+    try:
+        if length != link.header_nbytes - 8:
+            raise ValueError(f"header length {length}")
+        header = json.loads(bytes(buf[8:]), parse_constant=_no_constants)
+        for chunk_name, dtype, sizes, offset, nbytes in md.link_chunks.get(name, []):
+            start = offset - link.header_nbytes
+            entry = header[chunk_name]
+            if entry != {
+                "dtype": safetensors_dtype(dtype),
+                "shape": list(sizes),
+                "data_offsets": [start, start + nbytes],
+            }:
+                raise ValueError(f"entry {chunk_name!r} is {entry!r:.200}")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(
+            f"{where(reader)}: linked file {link.dir}/{name}: its header does not hold the "
+            f"chunks the metadata reads from it ({exc})"
+        ) from None
+
+
+def attach_links(reader: Any, md: Metadata) -> None:
+    """Tell ``reader`` where the linked files of ``md`` live (sibling directories)."""
+    if not md.linked:
+        return
+    set_links = getattr(reader, "set_links", None)
+    if set_links is None:
+        raise CorruptCheckpointError(
+            f"{where(reader)} is an incremental checkpoint (it reads files of "
+            f"{sorted({link.dir for link in md.linked.values()})}), which "
+            f"{type(reader).__name__} cannot resolve; load it with a FileSystemReader, or "
+            "make it self-contained first (shardkit ckpt materialize)"
+        )
+    set_links({name: link.dir for name, link in md.linked.items()})
 
 
 def check_files(reader: Any, md: Metadata, names: set[str], why: dict[str, str]) -> None:
     """Each file exists as a regular file with its recorded size, and (version 2) starts with
-    exactly the safetensors header the metadata implies. No tensor byte is read."""
+    exactly the safetensors header the metadata implies. No tensor byte is read.
+
+    Linked files (an incremental checkpoint's references) are found in their sibling
+    directories, and must start with the header recorded for them."""
+    attach_links(reader, md)
     for name in sorted(names):
-        expected = md.files.get(name)
+        link = md.linked.get(name)
+        expected = link.size if link is not None else md.files.get(name)
         holds = why.get(name, "data")
         try:
             size = reader.file_size(name)
@@ -319,6 +411,9 @@ def check_files(reader: Any, md: Metadata, names: set[str], why: dict[str, str])
                 f"{where(reader)}: file {name} is {size} bytes but the metadata says "
                 f"{expected} (truncated or replaced); it holds {holds}"
             )
+        if link is not None:
+            _check_linked_header(reader, md, name, holds)
+            continue
         header = md.headers.get(name)
         if header is None:
             continue

@@ -39,18 +39,35 @@ def _reader(mgr: CheckpointManager, step: int) -> FileSystemReader:
     return FileSystemReader(store.step_url(step), storage_options=store.storage_options)
 
 
-def save_step(mgr: CheckpointManager, step: int, state_dict: dict) -> None:
-    """Blocking save of ``step``, coordinated over the manager's private group."""
+def _base(mgr: CheckpointManager, base: int | None) -> str | None:
+    return None if base is None else mgr._store.step_url(base)
+
+
+def save_step(mgr: CheckpointManager, step: int, state_dict: dict, base: int | None = None) -> None:
+    """Blocking save of ``step``, coordinated over the manager's private group; with a
+    ``base`` step, an incremental save referencing its unchanged chunks."""
     from .._core._save import save
 
-    save(state_dict, storage_writer=_writer(mgr, step), process_group=mgr._ctrl)
+    save(
+        state_dict,
+        storage_writer=_writer(mgr, step),
+        process_group=mgr._ctrl,
+        incremental_base=_base(mgr, base),
+    )
 
 
-def save_step_async(mgr: CheckpointManager, step: int, state_dict: dict) -> Future:
+def save_step_async(
+    mgr: CheckpointManager, step: int, state_dict: dict, base: int | None = None
+) -> Future:
     """Stage ``state_dict`` and commit ``step`` in the background (async group)."""
     from .. import async_save
 
-    return async_save(state_dict, storage_writer=_writer(mgr, step), process_group=mgr._async_group)
+    return async_save(
+        state_dict,
+        storage_writer=_writer(mgr, step),
+        process_group=mgr._async_group,
+        incremental_base=_base(mgr, base),
+    )
 
 
 def load_step(mgr: CheckpointManager, step: int, state_dict: dict) -> None:

@@ -26,6 +26,7 @@ from ._checks import nonneg_int as _nonneg_int
 from ._comm import broadcast_json, flags_and_ranges
 from ._lease import Lease
 from ._preemption import PreemptionWatcher
+from ._refs import referenced_files
 from ._retention import AnyPreservationPolicy as _Any
 from ._retention import LatestN, PreservationPolicy, steps_to_delete
 from ._storage import StepStore
@@ -65,6 +66,11 @@ class CheckpointManager:
         take_over_lease: take the lease even if another writer's lease is live (use
             when that writer is known to be gone; it fails at its next save).
         num_of_threads: torch_xla's option: data files each rank writes in parallel.
+        incremental: save each step as an incremental checkpoint of the previous committed
+            step: chunks whose bytes did not change (a frozen base model, LoRA) are not
+            rewritten but referenced. Retention keeps every file a kept step references.
+            Off by default: a step directory is then no longer self-contained (copy it
+            with ``shardkit ckpt materialize``). See docs/checkpoint-manager.md.
     """
 
     def __init__(
@@ -84,6 +90,7 @@ class CheckpointManager:
         lease_ttl: float = 60.0,
         take_over_lease: bool = False,
         num_of_threads: int = 1,
+        incremental: bool = False,
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"path must be a non-empty str or os.PathLike URL, got {path!r}")
@@ -114,6 +121,9 @@ class CheckpointManager:
             raise ValueError(f"lease_ttl must be a number of seconds >= 1, got {lease_ttl!r}")
         self.read_only = read_only
         self._take_over = take_over_lease
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental must be a bool, got {incremental!r}")
+        self.incremental = incremental
         policies = [LatestN(self.max_to_keep)] if self.max_to_keep else []
         policies += [preservation_policy] if preservation_policy is not None else []
         self.preservation_policy = (
@@ -135,10 +145,13 @@ class CheckpointManager:
         self._preemption_step: int | None = None
         self._closed = False
         self._writing = False
+        self._pins: dict[int, int] = {}  # base step -> saves in flight that reference it
+        self._links: dict[int, dict[str, str]] = {}  # committed step -> its linked files
         # Read-only until the first save: a manager opened on a live run (an evaluator,
         # a second trainer) never deletes what the writer is saving.
         steps = self._coordinated("listing checkpoints", self._store.committed_steps)
         self._last_step = steps[-1] if steps else None
+        self._last_committed = self._last_step
         if self._is_coordinator:  # a manager dropped without close() frees its lease
             weakref.finalize(self, self._lease.release)
 
@@ -159,6 +172,9 @@ class CheckpointManager:
                 aborted = self._store.abort_stale_uploads()
                 if aborted:
                     log.warning("aborted %d unfinished uploads under %s", aborted, self.path)
+                # a kill between a commit and its retention pass left a step too many:
+                # one pass now, before this writer's first save (never raises)
+                self._retain()
                 return removed, self._store.committed_steps()
             except BaseException:
                 self._lease.release()
@@ -169,6 +185,7 @@ class CheckpointManager:
             log.warning("removed incomplete step directories %s under %s", removed, self.path)
         if steps and (self._last_step is None or steps[-1] > self._last_step):
             self._last_step = steps[-1]
+        self._last_committed = steps[-1] if steps else None
         self._writing = True
         if self._is_coordinator:
             self._lease.start_heartbeat()
@@ -340,26 +357,56 @@ class CheckpointManager:
             f"preparing step {step}", lambda: self._prepare_step(step, metrics) or None
         )
         previous, self._last_step = self._last_step, step
+        base = self._pin_base() if self.incremental else None
         try:
-            future = None if blocking else io.save_step_async(self, step, state_dict)
+            future = None if blocking else io.save_step_async(self, step, state_dict, base)
             if blocking:
-                io.save_step(self, step, state_dict)
+                io.save_step(self, step, state_dict, base)
         except Exception as exc:
             self._last_step = previous
+            self._unpin(base)
             if blocking:  # every rank failed alike (the core agrees on errors): clean up
                 self._coordinated("cleaning up", lambda: self._remove_failed(step))
             raise CheckpointError(f"save of step {step} to {self.path} failed: {exc}") from exc
         if blocking:
+            self._unpin(base)
             self._on_committed(step, metrics)
         else:
             handled = threading.Event()
             self._in_flight.append((step, future, handled))
             future.add_done_callback(
-                lambda f, s=step, m=metrics, h=handled: self._on_async_done(s, m, f, h)
+                lambda f, s=step, m=metrics, h=handled, b=base: self._on_async_done(s, m, f, h, b)
             )
         return True
 
-    def _on_async_done(self, step: int, metrics, future: Future, handled) -> None:
+    def _pin_base(self) -> int | None:
+        """The base of an incremental save: the newest step the coordinator saw commit.
+
+        It is pinned (kept by retention) until the save that references it finishes, and
+        broadcast so every rank references the same step.
+        """
+
+        def choose() -> int | None:
+            with self._lock:
+                base = self._last_committed
+                if base is not None:
+                    self._pins[base] = self._pins.get(base, 0) + 1
+            return base
+
+        return self._coordinated("choosing the base of an incremental save", choose)
+
+    def _unpin(self, base: int | None) -> None:
+        if base is None or not self._is_coordinator:
+            return
+        with self._lock:
+            left = self._pins.get(base, 0) - 1
+            if left > 0:
+                self._pins[base] = left
+            else:
+                self._pins.pop(base, None)
+
+    def _on_async_done(self, step: int, metrics, future: Future, handled, base=None) -> None:
+        self._unpin(base)
         try:
             exc = future.exception()
             if exc is None:
@@ -377,6 +424,7 @@ class CheckpointManager:
         if not self._is_coordinator:
             return
         with self._lock:
+            self._last_committed = max(step, self._last_committed or 0)
             self._metrics[step] = metrics
             try:
                 self._retention_futures.append(self._retention.submit(self._retain))
@@ -404,14 +452,23 @@ class CheckpointManager:
         for s in committed:
             if s not in known:
                 known[s] = self._store.read_metrics(s)
-        for s in steps_to_delete(self.preservation_policy, known):
+        with self._lock:
+            pinned = set(self._pins)  # bases of saves in flight
+        doomed = [s for s in steps_to_delete(self.preservation_policy, known) if s not in pinned]
+        # files of deleted steps that kept steps still reference stay (see _refs.py)
+        referenced = referenced_files(
+            self._store, [s for s in committed if s not in doomed], self._links
+        )
+        for s in doomed:
             try:
-                self._store.delete(s)
+                self._store.delete(s, referenced)
             except Exception as exc:  # retried by the next pass; training goes on
                 log.warning("could not delete step %d under %s: %s", s, self.path, exc)
                 continue
             with self._lock:
                 self._metrics.pop(s, None)
+        if committed:  # shared files that no kept step references any more
+            self._store.remove_incomplete(referenced, below=committed[-1])
 
     # -- waiting ------------------------------------------------------------------------
     def _wait_in_flight(self, keep: int) -> None:

@@ -164,17 +164,28 @@ class StepStore:
             return False
         return True
 
-    def remove_incomplete(self) -> list[int]:
+    def remove_incomplete(
+        self, referenced: Mapping[str, set[str]] | None = None, *, below: int | None = None
+    ) -> list[int]:
         """Delete step directories that never committed (left by a crash); returns them.
 
         Only directories without a commit marker go: a committed but damaged step is
-        kept for inspection (it is not listed, so it is never restored).
+        kept for inspection (it is not listed, so it is never restored). Files that
+        ``referenced`` (directory name -> file names, from the committed steps' metadata)
+        lists are kept: they hold data of incremental steps. ``below`` limits the sweep to
+        older steps (a save in flight writes a newer one).
         """
+        if referenced is None:
+            from ._refs import referenced_files
+
+            referenced = referenced_files(self, self.committed_steps())
         removed = []
         for step in self.list_step_dirs():
+            if below is not None and step >= below:
+                continue
             if not self.has_marker(step):
-                self._rm_tree(self._step_path(step))
-                removed.append(step)
+                if self._remove_unreferenced(step, referenced.get(step_dir_name(step), set())):
+                    removed.append(step)
         return removed
 
     def prepare_step_dir(self, step: int) -> None:
@@ -203,17 +214,39 @@ class StepStore:
         self._rm_tree(path)
         return True
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, referenced: Mapping[str, set[str]] | None = None) -> None:
         """Delete a committed step, un-committing it first.
 
         The metadata file goes first, so a crash half-way leaves an incomplete directory
         (never listed, removed by the next writer) rather than a listed, broken checkpoint.
+        Files that ``referenced`` names for this step's directory (data of incremental
+        steps still kept) stay, in a directory without metadata, until unreferenced.
         """
         path = self._step_path(step)
         marker = f"{path}/{METADATA_FILE}"
         if self.fs.exists(marker):
             self.fs.rm(marker)
-        self._rm_tree(path)
+        self._remove_unreferenced(step, (referenced or {}).get(step_dir_name(step), set()))
+
+    def _remove_unreferenced(self, step: int, keep: set[str]) -> bool:
+        """Delete the step directory, or only its files not in ``keep`` if any; returns
+        whether the directory itself is gone."""
+        path = self._step_path(step)
+        if not keep:
+            self._rm_tree(path)
+            return True
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return True
+        stale = [p for p in entries if p.rstrip("/").rsplit("/", 1)[-1] not in keep]
+        for p in stale:
+            try:
+                self.fs.rm(p, recursive=True)
+            except FileNotFoundError:
+                pass
+        self.fs.invalidate_cache(path)
+        return False
 
     def _rm_tree(self, path: str) -> None:
         for attempt in range(2):  # a rank may remove its own files at the same time
