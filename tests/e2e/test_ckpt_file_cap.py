@@ -83,3 +83,21 @@ def test_uncapped_writes_one_file(tmp_path):
 def test_bad_cap_is_refused(tmp_path, bad):
     with pytest.raises(ValueError, match="max_file_bytes"):
         dcp.FileSystemWriter(tmp_path, max_file_bytes=bad)
+
+
+def test_incremental_save_with_capped_files(tmp_path):
+    sd = _state()
+    cap = {"max_file_bytes": CAP, "sync_files": False}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "a", **cap))
+    sd["small"] = sd["small"] + 1  # one small chunk changes, the capped pieces do not
+    md = dcp.save(
+        sd,
+        storage_writer=dcp.FileSystemWriter(tmp_path / "b", **cap),
+        incremental_base=tmp_path / "a",
+    )
+    written = [n for n in os.listdir(tmp_path / "b") if n.startswith("data-")]
+    assert len(written) < len(_data_files(tmp_path / "a"))  # the unchanged files are reused
+    assert len(md.tensors["big"].chunks) == 3
+    target = {k: torch.zeros_like(v) if torch.is_tensor(v) else 0 for k, v in sd.items()}
+    dcp.load(target, checkpoint_id=tmp_path / "b")
+    assert all(torch.equal(target[k], v) for k, v in sd.items() if torch.is_tensor(v))
