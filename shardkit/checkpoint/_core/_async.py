@@ -18,11 +18,13 @@ import torch.distributed as dist
 
 from ... import runtime
 from ._comm import Comm
+from ._copy import copy_into
 from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
 from ._save import (
     SaveJob,
     base_reader,
+    max_file_bytes,
     prepare,
     resolve_writer,
     set_inflight,
@@ -30,7 +32,6 @@ from ._save import (
     write_and_commit,
 )
 from ._storage import StorageWriter
-from ._stream_copy import stream_copy
 from ._torch_args import check_async_args
 
 __all__ = ["async_save"]
@@ -92,7 +93,7 @@ def _stage(job: SaveJob) -> dict[tuple[str, tuple], torch.Tensor]:
                 cuda = True
                 dst.copy_(src, non_blocking=True)
             else:
-                stream_copy(dst, src)
+                copy_into(dst, src)
             staged[(item.key, item.box.offsets)] = dst
     if cuda:
         torch.cuda.synchronize()
@@ -141,7 +142,7 @@ def async_save(
     try:
         local = check_async_args(async_checkpointer_type, async_stager, no_dist, use_collectives)
         comm = Comm(None, local=True) if local else Comm(_private_group(process_group))
-        job = prepare(state_dict, planner, comm, writer.thread_count)
+        job = prepare(state_dict, planner, comm, writer.thread_count, max_file_bytes(writer))
         job.base = base
         staged = _stage(job)
     except BaseException as exc:
