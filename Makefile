@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-all lint format bench clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# also the tests marked slow (the 4 GiB-per-rank checkpoint scale test)
+test-all: lint
 	$(BIN)/python -m pytest -q
 
 format: $(STAMP)

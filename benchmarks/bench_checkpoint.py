@@ -85,11 +85,8 @@ def _local_tensors(sd):
 def _memcpy(tensors, share: int) -> dict:
     """Seconds for one copy of the rank's state, and of its first ``share`` bytes, into
     preallocated, already-touched buffers (the strictest memcpy baseline): with
-    ``copy_`` (a plain memcpy), and for the share also with the streaming-store copy
-    that shardkit stages with, so its own overhead over that copy shows too."""
+    ``copy_`` (a plain memcpy)."""
     import torch
-
-    from shardkit.checkpoint._core._stream_copy import stream_copy
 
     flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
     part, left = [], share
@@ -100,7 +97,6 @@ def _memcpy(tensors, share: int) -> dict:
     for name, srcs, copy in (
         ("state", flat, torch.Tensor.copy_),
         ("share", part, torch.Tensor.copy_),
-        ("share_streaming", part, stream_copy),
     ):
         dst = [torch.empty_like(t) for t in srcs]
         for d, t in zip(dst, srcs):
@@ -133,7 +129,7 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     # -- async first, so shardkit's peak RSS is not inflated by earlier allocations ---------
     sk = {"async_block": [], "save": [], "load": []}
     th = {"async_block": [], "save": [], "load": []}
-    peak, memcpy, share = 0, {"state": [], "share": [], "share_streaming": []}, 0
+    peak, memcpy, share = 0, {"state": [], "share": []}, 0
     for i in range(repeats + 1):
         barrier()
         _reset_peak()
@@ -178,7 +174,6 @@ def _main_phase(root: str, total_mib: int, repeats: int) -> dict:
     out["samples"] = {"shardkit": sk, "torch": th}
     out["memcpy_state"] = med(memcpy["state"])
     out["memcpy_share"] = med(memcpy["share"])
-    out["memcpy_share_streaming"] = med(memcpy["share_streaming"])
     return out
 
 
@@ -374,7 +369,6 @@ def main() -> None:
         "memcpy_s": {
             "rank_state": r0["memcpy_state"],
             "rank_share": r0["memcpy_share"],
-            "rank_share_streaming": r0["memcpy_share_streaming"],
         },
         "bytes_rank0": {"state": r0["state_bytes_rank"], "share": r0["rank_share_bytes"]},
         "reshard_load_s": {"same_layout": re_same, "4_to_2": re_resharded},
@@ -384,9 +378,6 @@ def main() -> None:
             "async_block": sk["async_block"] / th["async_block"],
             "async_block_vs_memcpy": sk["async_block"] / r0["memcpy_share"],
             "async_block_vs_memcpy_of_whole_rank_state": sk["async_block"] / r0["memcpy_state"],
-            "async_block_vs_streaming_copy_of_share": (
-                sk["async_block"] / r0["memcpy_share_streaming"]
-            ),
             "reshard_vs_same_load": re_resharded / re_same,
             "async_peak_rss_vs_state_plus_1.1_share": worst_rss,
         },

@@ -1,7 +1,13 @@
 """shardkit SPMD tensor parallelism against torch DTensor (ColwiseParallel / RowwiseParallel).
 
 Same MLP (fc1 column-parallel, GELU, fc2 row-parallel), same input, forward + backward,
-on 2 and 4 gloo ranks of this machine, in one run. The two implementations alternate
+on 2 and 4 gloo ranks of this machine, in one run. Then a Hugging Face Llama
+(``LlamaForCausalLM`` from a config, random init, GQA, SDPA, a padding mask) on 2 ranks:
+shardkit's ``shard_module`` with the Megatron plan against DTensor's
+``parallelize_module`` with torch's Llama-style plan (``PrepareModuleInput`` on attention
+and MLP, q/k/v/gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``): forward,
+backward and an AdamW step; step time, bytes moved, and each side's peak RSS measured
+in a world of its own (same model, same steps). The two implementations alternate
 rounds (ABBA order) so drift in machine load hits both. Bytes are what one rank hands to collectives
 in one step: for shardkit from ``count_collectives``, for DTensor from a dispatch mode
 that sums the input bytes of the functional collectives it issues (same definition:
@@ -68,10 +74,7 @@ def _shardkit_step_fn(model, x, world):
 
     mesh = xs.Mesh(np.arange(world), (world,), ("model",))
     plan = {"fc1.weight": ("model", None), "fc1.bias": ("model",), "fc2.weight": (None, "model")}
-    for name, p in list(model.named_parameters()):
-        owner, _, leaf = name.rpartition(".")
-        spec = plan.get(name, (None,) * p.ndim)
-        setattr(model.get_submodule(owner), leaf, xs.mark_sharding(p, mesh, spec))
+    xs.shard_module(model, mesh, plan)
     sx = xs.mark_sharding(x, mesh, (None, None))
 
     def step():
@@ -101,6 +104,218 @@ def _dtensor_step_fn(model, x, world):
         return loss
 
     return step
+
+
+LLAMA_PLAN = {
+    "*.self_attn.q_proj.weight": ("model", None),
+    "*.self_attn.k_proj.weight": ("model", None),
+    "*.self_attn.v_proj.weight": ("model", None),
+    "*.self_attn.o_proj.weight": (None, "model"),
+    "*.mlp.gate_proj.weight": ("model", None),
+    "*.mlp.up_proj.weight": ("model", None),
+    "*.mlp.down_proj.weight": (None, "model"),
+}
+
+
+def _llama(cfg):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=cfg["vocab"],
+        hidden_size=cfg["hidden"],
+        intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"],
+        max_position_embeddings=cfg["seq"],
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _llama_batch(cfg):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[-1, : cfg["seq"] // 4] = 0  # left padding on the last sequence
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def _shardkit_llama_step_fn(model, batch, world):
+    import numpy as np
+
+    import shardkit.spmd as xs
+
+    mesh = xs.Mesh(np.arange(world), (world,), ("model",))
+    xs.shard_module(model, mesh, LLAMA_PLAN)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
+def _dtensor_llama_step_fn(model, batch, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("model",))
+    for layer in model.model.layers:
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Replicate()},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+                ),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            },
+        )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _llama_worker(rank, world, port, cfg, queue, only):
+    """Time both sides (ABBA) in one world, or, with ``only``, run one side for its RSS."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    import copy
+
+    import shardkit.runtime as xr
+
+    xr.init(backend="gloo")
+    import torch.distributed as dist
+
+    base = _llama(cfg)
+    batch = _llama_batch(cfg)
+    makers = {"shardkit": _shardkit_llama_step_fn, "dtensor": _dtensor_llama_step_fn}
+    if only is not None:
+        step = makers[only](copy.deepcopy(base), batch, world)
+        del base
+        for _ in range(cfg["inner"] + 1):
+            step()
+        peak = torch.tensor([_peak_rss_mb()])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            queue.put(float(peak))
+        dist.destroy_process_group()
+        return
+    steps = {name: make(copy.deepcopy(base), batch, world) for name, make in makers.items()}
+    losses, comm = {}, {}
+    for name, step in steps.items():
+        losses[name] = step()  # warm-up; the first step's loss checks agreement
+        if name == "shardkit":
+            import shardkit.spmd as xs
+
+            xs.reset_fallback_counts()
+            with xs.count_collectives() as counts:
+                step()
+            comm[name] = (counts.total_calls(), counts.total_bytes(), str(dict(counts.calls)))
+            comm["fallbacks"] = dict(xs.fallback_counts())
+        else:
+            with _CollectiveBytes() as counter:
+                step()
+            comm[name] = (counter.calls, counter.bytes, str(counter.ops))
+    times = {name: [] for name in steps}
+    for round_ in range(cfg["repeats"]):
+        order = list(steps.items())
+        for name, step in order if round_ % 2 == 0 else order[::-1]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(cfg["inner"]):
+                step()
+            dist.barrier()
+            times[name].append((time.perf_counter() - t0) / cfg["inner"])
+    if rank == 0:
+        queue.put({"losses": losses, "comm": comm, "times": times})
+    dist.destroy_process_group()
+
+
+def _spawn(target, world, *args):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = queue.get()
+    for p in procs:
+        p.join()
+    return result
+
+
+def _llama_spawn(rank, world, port, cfg, only, queue):
+    _llama_worker(rank, world, port, cfg, queue, only)
+
+
+def run_llama(world: int, cfg: dict) -> dict:
+    result = _spawn(_llama_spawn, world, cfg, None)
+    rss = {name: _spawn(_llama_spawn, world, cfg, name) for name in ("shardkit", "dtensor")}
+    sk, dt = (statistics.median(result["times"][k]) for k in ("shardkit", "dtensor"))
+    spread = {
+        k: round((max(v) - min(v)) / statistics.median(v), 3) for k, v in result["times"].items()
+    }
+    return {
+        "ranks": world,
+        "shardkit_step_ms": round(sk * 1e3, 3),
+        "dtensor_step_ms": round(dt * 1e3, 3),
+        "step_time_ratio": round(sk / dt, 3),
+        "step_time_spread": spread,
+        "shardkit_bytes": result["comm"]["shardkit"][1],
+        "dtensor_bytes": result["comm"]["dtensor"][1],
+        "bytes_ratio": round(
+            result["comm"]["shardkit"][1] / max(result["comm"]["dtensor"][1], 1), 3
+        ),
+        "shardkit_collectives": result["comm"]["shardkit"][0],
+        "dtensor_collectives": result["comm"]["dtensor"][0],
+        "shardkit_collective_kinds": result["comm"]["shardkit"][2],
+        "dtensor_collective_kinds": result["comm"]["dtensor"][2],
+        "shardkit_fallbacks": result["comm"]["fallbacks"],
+        "shardkit_peak_rss_mb": round(rss["shardkit"], 1),
+        "dtensor_peak_rss_mb": round(rss["dtensor"], 1),
+        "peak_rss_ratio": round(rss["shardkit"] / rss["dtensor"], 3),
+        "loss_diff": abs(result["losses"]["shardkit"] - result["losses"]["dtensor"]),
+    }
 
 
 def _worker(rank, world, port, cfg, queue):
@@ -190,6 +405,20 @@ def main(argv=None) -> None:
         cfg = {"dim": 64, "hidden": 256, "batch": 16, "repeats": 3, "inner": 2}
     else:
         cfg = {"dim": 1024, "hidden": 4096, "batch": 64, "repeats": 10, "inner": 5}
+    if args.quick:
+        llama_cfg = {"vocab": 128, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4}
+        llama_cfg.update(kv_heads=2, seq=32, batch=2, repeats=3, inner=2)
+    else:
+        llama_cfg = {"vocab": 2048, "hidden": 512, "intermediate": 1376, "layers": 4}
+        llama_cfg.update(heads=8, kv_heads=4, seq=256, batch=4, repeats=8, inner=3)
+    llama_row = run_llama(2, llama_cfg)
+    print(
+        f"Llama, 2 ranks: shardkit {llama_row['shardkit_step_ms']} ms vs DTensor "
+        f"{llama_row['dtensor_step_ms']} ms (x{llama_row['step_time_ratio']}), bytes "
+        f"{llama_row['shardkit_bytes']} vs {llama_row['dtensor_bytes']}, peak RSS "
+        f"{llama_row['shardkit_peak_rss_mb']} vs {llama_row['dtensor_peak_rss_mb']} MB",
+        file=sys.stderr,
+    )
     rows = [run(world, cfg) for world in (2, 4)]
     for r in rows:
         print(
@@ -198,7 +427,11 @@ def main(argv=None) -> None:
             f"{r['shardkit_bytes']} vs {r['dtensor_bytes']}",
             file=sys.stderr,
         )
-    print(json.dumps({"model": cfg, "results": rows}))
+    print(
+        json.dumps(
+            {"model": cfg, "results": rows, "llama": {"model": llama_cfg, "result": llama_row}}
+        )
+    )
 
 
 if __name__ == "__main__":

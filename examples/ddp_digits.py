@@ -56,8 +56,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     args = parser.parse_args()
 
-    xr.init()
-    rank, world = xr.global_ordinal(), xr.world_size()
+    rank, world = xr.global_ordinal(), xr.world_size()  # joins torchrun's world, if any
     x, y = load_digits(return_X_y=True)
     x_tr, x_te, y_tr, y_te = train_test_split(x / 16.0, y, test_size=0.2, random_state=0)
     x_tr, x_te = torch.tensor(x_tr, dtype=torch.float32), torch.tensor(x_te, dtype=torch.float32)

@@ -30,8 +30,7 @@ def main() -> None:
     from shardkit.fsdp import FSDP, consolidate_sharded_model_checkpoints
     from shardkit.fsdp.wrap import size_based_auto_wrap_policy
 
-    xr.init()
-    rank, world = xr.global_ordinal(), xr.world_size()
+    rank, world = xr.global_ordinal(), xr.world_size()  # joins torchrun's world, if any
     x, y = load_digits(return_X_y=True)
     xtr, xte, ytr, yte = train_test_split(x / 16.0, y, test_size=0.25, random_state=0, stratify=y)
     xtr, xte = (torch.tensor(a, dtype=torch.float32) for a in (xtr, xte))

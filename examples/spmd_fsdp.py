@@ -102,8 +102,7 @@ def main(argv=None) -> None:
             port = s.getsockname()[1]
         torch.multiprocessing.spawn(_spawned, (args.nproc, port, args.steps), nprocs=args.nproc)
         return
-    xr.init()
-    result = train(args.steps)
+    result = train(args.steps)  # under torchrun, its Mesh joins the world
     if xr.global_ordinal() == 0:
         print(json.dumps(result))
 

@@ -66,12 +66,7 @@ class Block(nn.Module):
 
 def shard_block(block: nn.Module, mesh: xs.Mesh) -> nn.Module:
     """Replace every parameter by a sharded one: TP_PLAN's specs, replicated otherwise."""
-    for name, param in list(block.named_parameters()):
-        owner_name, _, leaf = name.rpartition(".")
-        owner = block.get_submodule(owner_name)
-        spec = TP_PLAN.get(name, (None,) * param.ndim)
-        setattr(owner, leaf, xs.mark_sharding(param, mesh, spec))
-    return block
+    return xs.shard_module(block, mesh, TP_PLAN)
 
 
 def train(steps: int = 5, *, batch: int = 4, seq: int = 6, dim: int = 32) -> dict:
@@ -142,8 +137,7 @@ def main(argv=None) -> None:
             port = s.getsockname()[1]
         torch.multiprocessing.spawn(_spawned, (args.nproc, port, args.steps), nprocs=args.nproc)
         return
-    xr.init()
-    result = train(args.steps)
+    result = train(args.steps)  # under torchrun, its Mesh joins the world
     if xr.global_ordinal() == 0:
         print(json.dumps(result))
 

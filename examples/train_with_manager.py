@@ -42,8 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     args = ap.parse_args(argv)
 
-    xr.init()  # a world of one without torchrun
-    rank, world = xr.global_ordinal(), xr.world_size()
+    rank, world = xr.global_ordinal(), xr.world_size()  # joins torchrun's world, if any
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target, dtype=torch.int64)
@@ -63,8 +62,8 @@ def main(argv=None) -> int:
         mgr.restore(latest, state)  # in place, into the tensors above
         optim.load_state_dict(state["optim"])  # hyper-parameters (param_groups) too
         start = latest + 1
-        if rank == 0:
-            print(f"resumed from step {latest}")
+        checksum = sum(float(t.double().sum()) for t in model.state_dict().values())
+        print(f"rank {rank} of {world}: resumed from step {latest} (weights sum {checksum:.6f})")
 
     for step, (xb, yb) in batches(x, y, args.batch_size, rank, world, start):
         if step >= args.steps:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
+from .. import runtime
 from ._errors import CommHookError
 from ._grad_bucket import GradBucket
 from ._join import DDPJoinHook, exchange
@@ -100,6 +101,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"got {process_group!r}"
             )
         self.module = module
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self.process_group = _comm.resolve_group(process_group)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters

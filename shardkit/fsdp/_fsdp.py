@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .. import runtime
 from ._build import prepare_buffers, shard_parameters
 from ._comm import group_info
 from ._hf import guard_save_pretrained
@@ -133,6 +134,7 @@ class FullyShardedDataParallel(nn.Module):
             param_init_fn=param_init_fn,
         )
         self._opts = opts
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self._group, self.rank, self.world_size = group_info(process_group)
         check_xla_knobs(xla_options, rank=self.rank, world=self.world_size)
         if opts.auto_wrap_policy is not None:

@@ -1,5 +1,10 @@
-"""Process-group bootstrap and rank helpers (``import shardkit.runtime as xr``)."""
+"""Process-group bootstrap and rank helpers (``import shardkit.runtime as xr``).
 
+Importing this package registers the ``xla://`` rendezvous, so torch_xla's
+``dist.init_process_group("gloo", init_method="xla://")`` works unchanged.
+"""
+
+from . import _rendezvous
 from ._runtime import (
     default_backend,
     device,
@@ -12,6 +17,7 @@ from ._runtime import (
     use_spmd,
     world_size,
 )
+from ._teardown import at_teardown, drain_at_exit
 from ._xla_api import (
     addressable_device_count,
     addressable_runtime_device_count,
@@ -29,8 +35,11 @@ from ._xla_api import (
     set_device_type,
 )
 
+_rendezvous.register()
+
 __all__ = [
     "addressable_device_count",
+    "at_teardown",
     "addressable_runtime_device_count",
     "default_backend",
     "device_type",
@@ -46,6 +55,7 @@ __all__ = [
     "process_index",
     "set_device_type",
     "device",
+    "drain_at_exit",
     "global_ordinal",
     "global_runtime_device_count",
     "init",

@@ -2,7 +2,8 @@
 
 The environment torchrun (or SLURM) sets decides the world. With nothing set the
 process is a world of one and no process group is created, so every shardkit API
-works in a plain Python script.
+works in a plain Python script. Every shardkit entry point that needs a group calls
+:func:`init`, so under torchrun the world is joined without any call by the user.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from . import _teardown
 
 __all__ = [
     "init",
@@ -43,6 +46,31 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
+def env_world() -> tuple[int, int] | None:
+    """(rank, world size) the environment describes, or None for a world of one.
+
+    Raises ValueError when the environment describes a larger world incompletely, so a
+    misconfigured launch never silently runs as a world of one.
+    """
+    size = _env_int("WORLD_SIZE", "SLURM_NTASKS")
+    if size is None or size == 1:
+        return None
+    if size < 1:
+        raise ValueError(f"WORLD_SIZE={size} must be at least 1")
+    rank = _env_int("RANK", "SLURM_PROCID")
+    if rank is None:
+        raise ValueError(f"WORLD_SIZE={size} is set but RANK is not; launch with torchrun")
+    if not 0 <= rank < size:
+        raise ValueError(f"RANK={rank} is outside the world of {size} (0..{size - 1})")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise ValueError(
+                f"WORLD_SIZE={size} is set but {name} is not; launch with torchrun "
+                f"(or export {name} under SLURM)"
+            )
+    return rank, size
+
+
 def default_backend() -> str:
     """nccl when this process has a CUDA device, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
@@ -54,6 +82,13 @@ def init(backend: str | None = None, *, timeout: datetime.timedelta = _DEFAULT_T
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as torchrun sets them, or
     SLURM_PROCID / SLURM_NTASKS under SLURM (MASTER_ADDR and MASTER_PORT must still be
     set). With no world size set, or a world size of one, no process group is created.
+    Every shardkit entry point that needs a group (``Mesh``, ``mark_sharding``, FSDP,
+    DDP, checkpoint save / load, ``CheckpointManager``, the state-dict helpers) calls
+    this, so an explicit call is only needed to choose the backend or timeout.
+
+    A group created here is shardkit's: at interpreter exit shardkit drains in-flight
+    async saves, waits for every rank (barrier) and destroys it. A group you create
+    with ``torch.distributed.init_process_group`` stays yours to destroy.
 
     Args:
         backend: ``"gloo"`` or ``"nccl"``; default: :func:`default_backend`.
@@ -61,21 +96,22 @@ def init(backend: str | None = None, *, timeout: datetime.timedelta = _DEFAULT_T
     """
     if dist.is_available() and dist.is_initialized():
         return
-    size = _env_int("WORLD_SIZE", "SLURM_NTASKS")
-    if size is None or size == 1:
+    world = env_world()
+    if world is None:
         return
-    rank = _env_int("RANK", "SLURM_PROCID")
-    if rank is None:
-        raise ValueError(f"WORLD_SIZE={size} is set but RANK is not; launch with torchrun")
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if not os.environ.get(name):
-            raise ValueError(f"WORLD_SIZE={size} is set but {name} is not; launch with torchrun")
+    if not dist.is_available():
+        raise RuntimeError(
+            f"the environment describes a world of {world[1]} ranks but this torch build "
+            "has no torch.distributed; install a torch build with distributed support"
+        )
+    rank, size = world
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
     dist.init_process_group(
         backend=backend, init_method="env://", rank=rank, world_size=size, timeout=timeout
     )
+    _teardown.own_default_group(dist.group.WORLD)
 
 
 def is_initialized() -> bool:
@@ -100,12 +136,17 @@ def is_spmd() -> bool:
 
 
 def world_size() -> int:
-    """Number of ranks in the default group (1 without a process group)."""
+    """Number of ranks in the world (1 in a plain single-process run).
+
+    Joins the world the environment describes first, like every entry point.
+    """
+    init()
     return dist.get_world_size() if is_initialized() else 1
 
 
 def global_ordinal() -> int:
-    """This process's rank in the default group (0 without a process group)."""
+    """This process's rank in the world (0 in a plain single-process run)."""
+    init()
     return dist.get_rank() if is_initialized() else 0
 
 

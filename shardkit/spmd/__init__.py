@@ -5,6 +5,7 @@ from ._comm import CollectiveCounts, count_collectives
 from ._dispatch import fallback_counts, register_rule, reset_fallback_counts
 from ._errors import MeshError, PartitionSpecError, PartitionSpecTypeError
 from ._mesh import HybridMesh, Mesh, get_1d_mesh, get_global_mesh, set_global_mesh
+from ._module import shard_module
 from ._placement import Placement
 from ._sharded_tensor import (
     ShardedTensor,
@@ -45,4 +46,5 @@ __all__ = [
     "register_rule",
     "reset_fallback_counts",
     "set_global_mesh",
+    "shard_module",
 ]

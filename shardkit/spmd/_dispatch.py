@@ -19,23 +19,45 @@ from . import _comm
 from ._placement import Placement
 from ._redistribute import redistribute_local
 
-__all__ = ["register_rule", "dispatch", "fallback_counts", "reset_fallback_counts"]
+__all__ = [
+    "register_rule",
+    "dispatch",
+    "fallback_counts",
+    "reset_fallback_counts",
+    "Declined",
+]
 
 logger = logging.getLogger("shardkit.spmd")
 aten = torch.ops.aten
 
 Rule = Callable[[object, tuple, dict], object]
+
+
+class Declined:
+    """What a rule returns when it exists but cannot handle this call: the call then runs
+    through the fallback, and the log says the rule declined and why."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"Declined({self.reason!r})"
+
+
 _RULES: dict[object, Rule] = {}
 #: (predicate(func), rule) pairs consulted, in order, for ops with no registered rule.
 _CLASS_RULES: list[tuple[Callable[[object], bool], Rule]] = []
 _FALLBACK_COUNTS: Counter = Counter()
-_LOGGED: set[str] = set()
+_LOGGED: set[tuple[str, str]] = set()
 
 
 def register_rule(*ops) -> Callable[[Rule], Rule]:
     """Register ``rule(func, args, kwargs)`` for aten ops (overloads or packets).
 
-    A rule may return ``NotImplemented`` to hand the call to the fallback.
+    A rule may return :class:`Declined` (with the reason) or ``NotImplemented`` to hand
+    the call to the fallback.
     """
 
     def decorate(rule: Rule) -> Rule:
@@ -105,15 +127,30 @@ def _watch_plain(args: tuple) -> None:
             _watch(a)
 
 
+#: ``(detect(args, kwargs), handle(func, args, kwargs, dispatch))`` pairs for operands
+#: that need their own path before the rules (folded batch dims: ``_rules/_fold.py``)
+_SPECIAL_OPERANDS: list[tuple[Callable, Callable]] = []
+
+
 def dispatch(func, args: tuple, kwargs: dict):
     if torch.is_grad_enabled():
         _watch_plain(args)
+    for detect, handle in _SPECIAL_OPERANDS:
+        if detect(args, kwargs):
+            return handle(func, args, kwargs, _dispatch_rules)
+    return _dispatch_rules(func, args, kwargs)
+
+
+def _dispatch_rules(func, args: tuple, kwargs: dict):
     rule = _RULES[func] if func in _RULES else _rule_for(func)
-    if rule is not None:
-        out = rule(func, args, kwargs)
-        if out is not NotImplemented:
-            return out
-    return fallback(func, args, kwargs)
+    if rule is None:
+        return fallback(func, args, kwargs)
+    out = rule(func, args, kwargs)
+    if out is NotImplemented:
+        return fallback(func, args, kwargs, reason="its sharding rule declined this call")
+    if isinstance(out, Declined):
+        return fallback(func, args, kwargs, reason=f"its sharding rule declined: {out.reason}")
+    return out
 
 
 def _full(st) -> torch.Tensor:
@@ -129,19 +166,25 @@ def _mutated_positions(func) -> list[tuple[int, str]]:
     ]
 
 
-def fallback(func, args: tuple, kwargs: dict):
-    """Gather, compute on full tensors, write back mutations, re-shard outputs."""
+def fallback(func, args: tuple, kwargs: dict, *, reason: str = "it has no sharding rule"):
+    """Gather, compute on full tensors, write back mutations, re-shard outputs.
+
+    Logged once per op name and reason (``reason`` says whether the op has no rule or
+    its rule declined, and why).
+    """
     ShardedTensor = _sharded_type()
     name = str(func.overloadpacket.__name__)
     _FALLBACK_COUNTS[name] += 1
     _comm.record_fallback(name)
     flat, spec = tree_flatten((args, kwargs))
     sharded_inputs = [a for a in flat if isinstance(a, ShardedTensor)]
-    if name not in _LOGGED:
-        _LOGGED.add(name)
+    if (name, reason) not in _LOGGED:
+        _LOGGED.add((name, reason))
         logger.warning(
-            "shardkit: op %s has no sharding rule; gathering its inputs (logged once per op)",
+            "shardkit: op %s runs through the gather fallback because %s "
+            "(logged once per op and reason)",
             name,
+            reason,
         )
     full_flat = [_full(a) if isinstance(a, ShardedTensor) else a for a in flat]
     f_args, f_kwargs = tree_unflatten(full_flat, spec)

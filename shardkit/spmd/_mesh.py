@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -15,6 +16,16 @@ from ._errors import MeshError
 from .layout import mesh_coords
 
 __all__ = ["Mesh", "HybridMesh", "get_1d_mesh", "get_global_mesh", "set_global_mesh"]
+
+_meshes: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Mesh
+
+
+@runtime.at_teardown
+def _drop_groups() -> None:
+    """At exit, forget every mesh's axis groups: a group Python still references keeps its
+    gloo threads running into interpreter finalization, where they abort the process."""
+    for mesh in list(_meshes.values()):
+        mesh._groups.clear()
 
 
 class Mesh:
@@ -91,6 +102,7 @@ class Mesh:
         # rank -> coordinate and the hash are asked for on every op: compute them once
         self._coords = {int(r): tuple(int(c) for c in idx) for idx, r in np.ndenumerate(self._grid)}
         self._hash = hash((self.axis_names, self.mesh_shape, self._grid.tobytes()))
+        _meshes[id(self)] = self
 
     # -- geometry --------------------------------------------------------
     def shape(self) -> OrderedDict[str | int, int]:
@@ -212,6 +224,10 @@ class Mesh:
         state = dict(self.__dict__)
         state["_groups"] = {}
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _meshes[id(self)] = self
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_labels, self.mesh_shape))

@@ -57,7 +57,9 @@ def _redistribution_matrix():
     # replicated -> sharded is local slicing: no collective at all
     with xs.count_collectives() as counts:
         xs.mark_sharding(full, mesh, (None, None, None)).redistribute(("model", None, None))
-        xs.mark_sharding(full, mesh, ("data", None, None)).redistribute((("data", "model"), None, None))
+        xs.mark_sharding(full, mesh, ("data", None, None)).redistribute(
+            (("data", "model"), None, None)
+        )
         xs.mark_sharding(full, mesh, (None, None, None)).redistribute(("data", "model", None))
     replicated_to_sharded_calls = counts.total_calls()
     # sharded -> replicated is one all-gather; no whole-tensor all-to-all
@@ -103,9 +105,7 @@ def _fallback_ops():
     }
     u, s, vh = torch.linalg.svd(sa, full_matrices=False)
     eu, es, evh = torch.linalg.svd(a, full_matrices=False)
-    results["svd"] = all(
-        torch.equal(x.full_tensor(), y) for x, y in [(u, eu), (s, es), (vh, evh)]
-    )
+    results["svd"] = all(torch.equal(x.full_tensor(), y) for x, y in [(u, eu), (s, es), (vh, evh)])
     inplace = xs.mark_sharding(a.clone(), mesh, ("data", "model"))
     inplace.add_(sb)
     results["add_"] = torch.equal(inplace.full_tensor(), a + b) and inplace.partition_spec == (

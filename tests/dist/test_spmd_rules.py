@@ -12,6 +12,7 @@ from test_spmd_rules_cases import (
     run_cases,
     run_clip_grad_norm,
     run_fallback_ops,
+    run_local_comm,
     run_mlp_comm,
     run_optimizers,
     run_reduce_scatter,
@@ -30,6 +31,7 @@ def _four_rank_checks():
         run_fallback_ops(),
         run_clip_grad_norm(),
         run_reduce_scatter(),
+        run_local_comm(),
     )
 
 
@@ -104,3 +106,10 @@ def test_pending_sum_resolves_by_reduce_scatter_when_sharded(four_ranks):
     assert err_scatter < 1e-5 and err_reduce < 1e-5
     assert scatter_calls == {("reduce_scatter", ("data",)): 1}
     assert reduce_calls == {("all_reduce", ("data",)): 1}
+
+
+def test_attention_padding_kv_cache_rules_stay_local(four_ranks):
+    """Heads stay sharded through eager attention's 4-D matmul (folded batch dims), a
+    padding mask is sliced like the batch, cat skips the empty KV cache, indexing
+    reads local rows: no collective at all, forward or backward."""
+    assert four_ranks[7] == {name: ({}, {}) for name in four_ranks[7]}

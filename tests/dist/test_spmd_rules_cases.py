@@ -12,6 +12,10 @@ import torch
 import torch.nn.functional as F
 
 D, M = "data", "model"
+#: an additive padding mask (batch 2, broadcast over heads): the second sequence's first
+#: two keys are padding
+_PAD_MASK = torch.zeros(2, 1, 5, 5)
+_PAD_MASK[1, :, :, :2] = float("-inf")
 
 CASES = {
     # pointwise: broadcasting, scalars, plain tensors, mismatched specs, in-place
@@ -66,6 +70,7 @@ CASES = {
     # normalisations
     "softmax_sharded_dim": ([((5, 7), (D, M))], lambda x: torch.softmax(x, dim=1)),
     "log_softmax": ([((5, 7), (D, M))], lambda x: torch.log_softmax(x, dim=0)),
+    "safe_softmax": ([((5, 7), (D, M))], lambda x: torch.ops.aten._safe_softmax(x, 1)),
     "layer_norm": (
         [((5, 3, 7), (D, None, M)), ((7,), (M,)), ((7,), (None,))],
         lambda x, w, b: F.layer_norm(x, (7,), w, b),
@@ -89,6 +94,10 @@ CASES = {
         lambda x, t: F.cross_entropy(
             x, torch.where(t == 2, 9, t), weight=torch.linspace(0.5, 2.0, 7), ignore_index=9
         ),
+    ),
+    "cross_entropy_none_vocab_sharded": (
+        [((6, 7), (None, M)), ((6,), (None,), "idx", 7)],
+        lambda x, t: F.cross_entropy(x, torch.where(t == 1, -100, t), reduction="none"),
     ),
     "dropout": ([((5, 7), (D, M))], lambda x: F.dropout(x, 0.4, training=True)),
     "cross_entropy_mean": (
@@ -130,6 +139,50 @@ CASES = {
             torch.cat([a * (i + 1) for i, a in enumerate(x.split(3, dim=0))], 0)
             + torch.cat([c * 2 for c in x.chunk(2, dim=1)], 1)
         ),
+    ),
+    # padding (label shift), advanced indexing (HF mask building), KV-cache cat
+    "pad_sharded_dim": ([((5, 7), (D, M))], lambda x: F.pad(x, (1, 2)) * 2),
+    "pad_other_dim": ([((5, 7), (D, None))], lambda x: F.pad(x, (0, 1), value=-1.0)),
+    "index_local_reads": (
+        [((5, 7), (D, M)), ((5, 7), (D, M), "idx", 2)],
+        lambda x, m: x * m[torch.arange(5).view(5, 1, 1), torch.arange(7).view(1, 1, 7)][:, 0],
+    ),
+    "index_rows_moved": (
+        [((5, 7), (D, M)), ((5, 7), (D, M), "idx", 3)],
+        lambda x, m: x + m[torch.tensor([4, 3, 2, 1, 0])],
+    ),
+    "cat_empty_kv_cache": (
+        [((2, 3, 5, 4), (D, M, None, None))],
+        lambda k: torch.cat([torch.empty(0), k], dim=-2) * 2,
+    ),
+    "all_any": (
+        [((5, 7), (D, M))],
+        lambda x: torch.where((x > -3).all(dim=1, keepdim=True), x, -x) + (x > 2).any().float(),
+    ),
+    "pending_times_tensor": (
+        [((5, 6), (None, M)), ((6, 7), (M, None)), ((5, 7), (D, None))],
+        lambda a, b, t: (a @ b) * t,
+    ),
+    # attention: a padding mask (sliced like the batch), eager attention's 4-D matmul
+    "sdpa_padding_mask": (
+        [((2, 4, 5, 3), (D, M, None, None))] * 3,
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_PAD_MASK),
+    ),
+    "matmul_4d_heads": (
+        [((2, 4, 5, 3), (None, M, None, None)), ((2, 4, 3, 5), (None, M, None, None))],
+        torch.matmul,
+    ),
+    "matmul_4d_batch_heads": (
+        [((4, 4, 5, 3), (D, M, None, None)), ((4, 4, 3, 5), (D, M, None, None))],
+        lambda a, b: torch.softmax(a @ b, -1) @ a,
+    ),
+    "flatten_heads_is_the_output": (
+        [((2, 4, 5, 3), (None, M, None, None))],
+        lambda x: x.reshape(8, 5, 3),
+    ),
+    "flatten_heads_then_other_op": (
+        [((2, 4, 5, 3), (None, M, None, None))],
+        lambda x: x.reshape(8, 5, 3).exp(),
     ),
 }
 
@@ -349,3 +402,32 @@ def run_reduce_scatter(mesh_shape=(2, 2)):
         dict(scatter.calls),
         dict(reduce.calls),
     )
+
+
+#: cases whose rules must not communicate at all, forward and backward
+LOCAL_CASES = (
+    "matmul_4d_heads",
+    "matmul_4d_batch_heads",
+    "sdpa_padding_mask",
+    "cat_empty_kv_cache",
+    "index_local_reads",
+    "pad_other_dim",
+)
+
+
+def run_local_comm(mesh_shape=(2, 2)):
+    """Collectives (forward + backward) of the cases that must run on local shards only."""
+    import shardkit.spmd as xs
+
+    mesh = _mesh(mesh_shape)
+    out = {}
+    for name in LOCAL_CASES:
+        inputs, fn = CASES[name]
+        gen = torch.Generator().manual_seed(4)
+        made = [_make(e, gen) for e in inputs]
+        sts = [xs.mark_sharding(t.requires_grad_(g), mesh, spec) for t, spec, g in made]
+        with xs.count_collectives() as counts:
+            y = fn(*sts)
+            y.sum().backward()
+        out[name] = (dict(counts.calls), dict(counts.fallbacks))
+    return out

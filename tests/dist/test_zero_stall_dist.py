@@ -119,14 +119,14 @@ def _change_outside_step(root):
     _step(model, opt, 0)
     dist_cp.save(_state(model, opt), checkpoint_id=root)
     previous = _locals(_state(model, opt))
-    gate, real = threading.Event(), _async.stream_copy
+    gate, real = threading.Event(), _async.copy_into
     if dist.get_rank() == 0:  # rank 0 stages only after the change below
 
         def gated(dst, src):
             gate.wait()
             real(dst, src)
 
-        _async.stream_copy = gated
+        _async.copy_into = gated
     try:
         fut = dist_cp.async_save(_state(model, opt), checkpoint_id=root)
         if dist.get_rank() == 0:
@@ -137,7 +137,7 @@ def _change_outside_step(root):
         error = fut.exception(timeout=60)
     finally:
         gate.set()
-        _async.stream_copy = real
+        _async.copy_into = real
     target = _state(model, opt)
     dist_cp.load(target, checkpoint_id=root)
     got = _locals(target)

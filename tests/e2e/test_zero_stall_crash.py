@@ -34,14 +34,14 @@ step()
 mgr = dcp.CheckpointManager(path, save_interval=1) if use_manager else None
 mgr.save(1, state(), force=True) if mgr else dcp.save(state(), checkpoint_id=path)
 torch.save({k: v.clone() for k, v in model.state_dict().items()}, path + ".ref")
-real, gate = _async.stream_copy, threading.Event()
+real, gate = _async.copy_into, threading.Event()
 
 def gated(dst, src):
     real(dst, src)  # one piece copied, then the kill arrives
     print("STAGING", flush=True)
     gate.wait()
 
-_async.stream_copy = gated
+_async.copy_into = gated
 step()
 mgr.save_async(2, state(), force=True) if mgr else dcp.async_save(state(), checkpoint_id=path)
 print("RETURNED", flush=True)

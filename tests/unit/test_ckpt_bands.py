@@ -58,14 +58,14 @@ def test_non_contiguous_destination_takes_the_strided_path(tmp_path, bands):
     assert bands == [False]
 
 
-def test_remote_store_reads_each_chunk_alone(bands):
+def test_remote_store_reads_a_band_in_lockstep(bands):
     full = torch.randn(30, 6)
     url = "memory://shardkit-bands/ckpt"
     dcp.save({"w": full}, checkpoint_id=url, planner=ColumnPlanner([2]))
     target = {"w": torch.zeros(30, 6)}
     dcp.load(target, checkpoint_id=url)
     assert torch.equal(target["w"], full)
-    assert bands == []  # no memory map: the band path is never tried
+    assert bands == [True]  # each chunk of the band reads into its own scratch buffer
 
 
 def test_corrupt_chunk_in_a_band_is_named(tmp_path, bands):
@@ -81,23 +81,37 @@ def test_corrupt_chunk_in_a_band_is_named(tmp_path, bands):
     assert bands == [True]
 
 
-def test_aligned_rows_are_written_with_streaming_stores(tmp_path, bands, monkeypatch):
-    from shardkit.checkpoint._core import _stream_copy
-    from shardkit.checkpoint._core._stream_copy import streaming_available
-
-    monkeypatch.setattr(_stream_copy, "_MIN_ROWS_BYTES", 0)  # this test's pieces are tiny
-    streamed = []
-    real = _read_chunks.stream_rows_checked
-    monkeypatch.setattr(
-        _read_chunks, "stream_rows_checked", lambda d, s: (streamed.append(s.shape), real(d, s))
-    )
+def test_unequal_column_chunks_fill_a_band(tmp_path, bands):
     full = torch.randn(96, 48)  # float32 column chunks of 16 and 32: 64- and 128-byte rows
     dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([16]))
     target = {"w": torch.zeros(96, 48)}
     dcp.load(target, checkpoint_id=tmp_path)
     assert torch.equal(target["w"], full)
     assert bands == [True]
-    if streaming_available():
-        assert {shape[1] for shape in streamed} == {16, 32}
-    else:
-        assert streamed == []
+
+
+def test_reader_threads_share_one_large_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(_format, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(_read_chunks, "_SPLIT_BYTES", 16 << 10)
+    ranges = []
+    real = _read_chunks._split
+    monkeypatch.setattr(
+        _read_chunks, "_split", lambda i, d: ranges.append(real(i, d)) or real(i, d)
+    )
+    full = torch.randn(1000, 48)  # 192 KB in one chunk, 4 KiB checksum blocks
+    md = dcp.save({"w": full}, checkpoint_id=tmp_path)
+    reader = dcp.FileSystemReader(tmp_path, thread_count=3)
+    target = {"w": torch.zeros(1000, 48)}
+    dcp.load(target, storage_reader=reader)
+    assert torch.equal(target["w"], full)
+    (parts,) = ranges
+    assert len(parts) > 4
+    (chunk,) = md.tensors["w"].chunks
+    assert all(p.box.offsets[0] % chunk.block_rows == 0 for p in parts)  # whole blocks
+    assert sum(p.box.sizes[0] for p in parts) == 1000
+    path = tmp_path / chunk.file
+    raw = bytearray(path.read_bytes())
+    raw[chunk.offset + chunk.nbytes - 5] ^= 0x01  # in the last range's last block
+    path.write_bytes(bytes(raw))
+    with pytest.raises(dcp.CorruptCheckpointError, match="checksum mismatch"):
+        dcp.load({"w": torch.zeros(1000, 48)}, storage_reader=reader)

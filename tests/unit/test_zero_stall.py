@@ -86,13 +86,13 @@ class _Gate:
 
     def __init__(self, monkeypatch):
         self.event = threading.Event()
-        real = _async.stream_copy
+        real = _async.copy_into
 
         def gated(dst, src):
             self.event.wait()
             real(dst, src)
 
-        monkeypatch.setattr(_async, "stream_copy", gated)
+        monkeypatch.setattr(_async, "copy_into", gated)
 
     def open(self):
         self.event.set()

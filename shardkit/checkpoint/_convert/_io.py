@@ -302,13 +302,14 @@ def _entry(name: str, key: str, info: Any) -> tuple:
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every tensor of a safetensors file, and its ``__metadata__``.
 
-    Local files are memory-mapped copy-on-write, so the tensors cost page cache, not heap;
-    remote files are read whole.
+    Local files are memory-mapped read-only and shared, so the tensors cost page cache,
+    not heap nor committed memory (a private map is charged in full and fails for a file
+    larger than RAM); the tensors must not be written to. Remote files are read whole.
     """
     if is_local(path):
         with _open_regular(_local(path)) as f:
             buf: Any = (
-                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 if os.fstat(f.fileno()).st_size
                 else b""
             )
@@ -345,7 +346,9 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         if start == end:
             tensors[key] = torch.empty(shape, dtype=dtype)
             continue
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - start, offset=base + start)
+        with warnings.catch_warnings():  # read-only bytes: torch warns, nothing writes them
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - start, offset=base + start)
         if (base + start) % dtype.itemsize:
             raw = raw.clone()  # keep element access aligned
         tensors[key] = raw.view(dtype).reshape(shape)

@@ -20,13 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import runtime
 from ._comm import Comm
+from ._copy import copy_into
 from ._flatten import Flat, flatten
 from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
 from ._save import (
     SaveJob,
     base_reader,
+    max_file_bytes,
     prepare,
     resolve_writer,
     set_inflight,
@@ -34,7 +37,6 @@ from ._save import (
     write_and_commit,
 )
 from ._storage import StorageWriter
-from ._stream_copy import stream_copy
 from ._torch_args import check_async_args
 from ._zero_stall import STAGING_THREAD, STATS, Snapshot, Staging, protect
 
@@ -60,6 +62,8 @@ class _StagingPool:
 
 
 _pool = _StagingPool()
+# exit: drop our references so the private groups' gloo threads stop before finalization
+runtime.at_teardown(_groups.clear)
 
 
 def _private_group(process_group: Any) -> Any:
@@ -96,7 +100,7 @@ def _stage(job: SaveJob, snapshot: Snapshot | None) -> dict[tuple[str, tuple], t
                 cuda.append(item.key)
                 dst.copy_(src, non_blocking=True)
             else:
-                stream_copy(dst, src)
+                copy_into(dst, src)
                 if snapshot is not None:
                     snapshot.check(item.key)
             staged[(item.key, item.box.offsets)] = dst
@@ -169,6 +173,7 @@ def async_save(
         raise TypeError(f"zero_stall must be True or False, got {zero_stall!r}")
     base = base_reader(writer, incremental_base)
     wait_for_inflight()
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     future: Future = Future()
     future.set_running_or_notify_cancel()
     try:
@@ -187,8 +192,10 @@ def async_save(
     if snapshot is None:  # blocking path: plan and stage in the call
         STATS.blocking_saves += 1
         try:
-            job = prepare(state_dict, planner, comm, writer.thread_count,
-                          flat_fn=_flat_fn(flat, error))  # fmt: skip
+            cap = max_file_bytes(writer)
+            job = prepare(
+                state_dict, planner, comm, writer.thread_count, cap, flat_fn=_flat_fn(flat, error)
+            )
             job.base = base
             staged = _stage(job, None)
         except BaseException as exc:
@@ -212,8 +219,11 @@ def async_save(
         try:
             if staging is not None:
                 try:
-                    job = prepare(state_dict, planner, comm, writer.thread_count,
-                                  flat_fn=_flat_fn(flat, None))  # fmt: skip
+                    cap = max_file_bytes(writer)
+                    job = prepare(
+                        state_dict, planner, comm, writer.thread_count, cap,
+                        flat_fn=_flat_fn(flat, None),
+                    )  # fmt: skip
                     job.base = base
                     staged = _stage(job, snapshot)
                 except BaseException as exc:

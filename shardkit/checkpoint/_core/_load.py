@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ... import runtime
 from ...spmd.layout import Box
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._flatten import Flat, flatten
@@ -174,6 +175,7 @@ def load(
         CorruptCheckpointError: checksum mismatch, truncated or missing file, unknown version.
     """
     del process_group, no_dist
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     reader = resolve_reader(checkpoint_id, storage_reader)
     load_with_metadata(state_dict, reader, _metadata(reader), planner=planner, strict=strict)
 
@@ -210,13 +212,13 @@ def load_with_metadata(
     cast = [i for i in plan.items if flat.tensors[i.key].dtype != dtypes[i.key]]
     files = LocalFiles(reader)
     try:
-        if reader.thread_count > 1 and len(same) > 1:
+        if reader.thread_count > 1 and same:  # one large chunk is shared too
             with ThreadPoolExecutor(reader.thread_count) as pool:
-                read_items(reader, planner, same, dtypes, files, pool)
+                read_items(planner, same, dtypes, files, pool)
         else:
-            read_items(reader, planner, same, dtypes, files, None)
+            read_items(planner, same, dtypes, files, None)
         for item in cast:
-            _read_cast(reader, planner, item, dtypes[item.key], files)
+            _read_cast(planner, item, dtypes[item.key], files)
     finally:
         files.close()
     _apply_values(reader, flat, metadata, planner)
@@ -255,12 +257,12 @@ def _cast_pieces(item: ReadItem, saved: torch.dtype) -> list[ReadItem]:
     return out
 
 
-def _read_cast(reader, planner, item: ReadItem, saved: torch.dtype, files: LocalFiles) -> None:
+def _read_cast(planner, item: ReadItem, saved: torch.dtype, files: LocalFiles) -> None:
     """Read one item into a scratch of the saved dtype, a row band at a time, and cast each
     band into place (as torch's ``copy_``). Peak extra memory: one band (about 16 MiB)."""
     for piece in _cast_pieces(item, saved):
         scratch = torch.empty(piece.box.sizes, dtype=saved)
-        read_items(reader, _Into(scratch), [piece], {piece.key: saved}, files, None)
+        read_items(_Into(scratch), [piece], {piece.key: saved}, files, None)
         dest = planner.resolve_tensor(piece)
         with torch.no_grad():
             dest.copy_(scratch.reshape(dest.shape))

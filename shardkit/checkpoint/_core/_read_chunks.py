@@ -2,19 +2,19 @@
 
 Each chunk is read in row pieces. A piece that covers whole destination rows is read
 straight into a contiguous destination and hashed while still in the CPU cache. Otherwise
-(resharding) the piece is hashed out of a memory map of the local file, or out of a
-cache-sized scratch buffer for remote stores, and its overlap is copied into place.
+(resharding) the piece is read into a cache-sized scratch buffer, hashed, and its overlap
+is copied into place. No file is ever memory-mapped: a load's memory is its destination
+plus a few MiB of scratch per reading thread, whatever the size of the files.
 
 When several chunks fill one band of destination rows side by side (a shard that was
-split along a later dim when saved), their pieces are read in lockstep and written with
-one ``torch.cat`` per band of rows. The destination is then written front to back, which
+split along a later dim when saved), their pieces are read in lockstep and written
+one band of rows at a time. The destination is then written front to back, which
 is markedly faster than one strided pass per chunk.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from ...spmd.layout import Box
+from ._copy import copy_into
 from ._errors import CorruptCheckpointError
 from ._format import ChunkMeta, num_rows, row_bytes
 from ._planner import LoadPlanner, ReadItem
 from ._storage import FileSystemReader, StorageReader
-from ._stream_copy import can_stream_rows, stream_copy_rows, stream_rows_checked
 
 __all__ = ["LocalFiles", "chunk_label", "read_items"]
 
@@ -40,6 +41,8 @@ _SCRATCH_PIECE_BYTES = 4 << 20
 #: Bytes per band of rows, all chunks of the band together, so the band's pieces stay
 #: in the CPU cache between hashing and copying.
 _BAND_PIECE_BYTES = 1 << 20
+#: Bytes of one large chunk that one reader thread takes at a time.
+_SPLIT_BYTES = 16 << 20
 
 _scratch = threading.local()
 
@@ -51,19 +54,28 @@ def chunk_label(key: str, chunk: ChunkMeta) -> str:
     )
 
 
-def _scratch_bytes(nbytes: int) -> torch.Tensor:
-    """A small per-thread reusable byte buffer."""
-    buf = getattr(_scratch, "buf", None)
+def _scratch_bytes(nbytes: int, slot: int = 0) -> torch.Tensor:
+    """A small per-thread reusable byte buffer; ``slot`` tells apart the buffers of chunks
+    read in lockstep (a band)."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        _scratch.bufs = bufs = {}
+    buf = bufs.get(slot)
     if buf is None or buf.numel() < nbytes:
-        _scratch.buf = buf = torch.empty(max(nbytes, _SCRATCH_PIECE_BYTES), dtype=torch.uint8)
+        bufs[slot] = None  # free the old buffer first
+        size = max(nbytes, _SCRATCH_PIECE_BYTES) if slot == 0 else nbytes
+        bufs[slot] = buf = torch.empty(size, dtype=torch.uint8)
     return buf[:nbytes]
 
 
 class LocalFiles:
-    """Private memory maps of the local data files one load touches, made once each.
+    """Open descriptors of the local data files one load touches, opened once each.
 
-    The files' sizes were checked against the metadata just before; a file truncated
-    while it is mapped would fault, as with safetensors' own mmap loading.
+    Bytes are only ever read (``preadv``) into the destination or into a small scratch
+    buffer: no file is ever memory-mapped, so a load costs at most its destination plus
+    ``thread_count`` scratch buffers (a few MiB each), whatever the size of the files, and
+    works under an address-space limit or strict overcommit. Each file gets the kernel
+    hint that it is read front to back (larger readahead).
     """
 
     def __init__(self, reader: StorageReader) -> None:
@@ -73,26 +85,42 @@ class LocalFiles:
             and reader.local
             and type(reader).read_into is FileSystemReader.read_into  # respect an override
         )
-        self._maps: dict[str, memoryview] = {}
+        self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def mapping(self, name: str) -> memoryview | None:
-        """The file's bytes, or None where the store is not a plain local directory."""
-        if not self.usable:
-            return None
+    def _fd(self, name: str) -> int:
         with self._lock:
-            if name not in self._maps:
-                with os.fdopen(self.reader.open_local(name), "rb") as f:  # no symlink, no FIFO
-                    self._maps[name] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
-            return self._maps[name]
+            if name not in self._fds:
+                fd = self.reader.open_local(name)  # no symlink, no FIFO
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                self._fds[name] = fd
+            return self._fds[name]
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from ``name`` at ``offset``; EOFError if the file ends early."""
+        if not self.usable:
+            self.reader.read_into(name, offset, out)
+            return
+        fd, done = self._fd(name), 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                raise EOFError(
+                    f"{name}: file ends at byte {offset + done}, {len(out) - done} short"
+                )
+            done += n
 
     def close(self) -> None:
-        self._maps.clear()  # unmapped once the last view is gone
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
 
 
-def _read(reader: StorageReader, item: ReadItem, offset: int, view: memoryview) -> None:
+def _read(files: LocalFiles, item: ReadItem, offset: int, view: memoryview) -> None:
     try:
-        reader.read_into(item.chunk.file, offset, view)
+        files.read_into(item.chunk.file, offset, view)
     except (FileNotFoundError, EOFError) as exc:
         raise CorruptCheckpointError(
             f"cannot read {chunk_label(item.key, item.chunk)}: {exc}"
@@ -108,42 +136,13 @@ class _Copy:
     src: torch.Tensor
 
 
-#: Linux 5.14+: fault a mapped range in with one call instead of one fault per 64 KiB.
-_MADV_POPULATE_READ = 22
-
-
-def _populate(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
-    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
-    try:
-        mapping.madvise(_MADV_POPULATE_READ, start, offset + nbytes - start)
-    except (OSError, ValueError, AttributeError):
-        pass  # older kernels: the pages fault in as they are read
-
-
-def _mapped_chunk(files: LocalFiles, item: ReadItem, dtype: torch.dtype, used: range):
-    """The chunk's bytes in the file's memory map, and the same bytes as a tensor; the
-    ``used`` byte range of the chunk (the rows this item reads) is faulted in up front."""
-    chunk = item.chunk
-    mapped = files.mapping(chunk.file)
-    raw = mapped[chunk.offset : chunk.offset + chunk.nbytes]
-    if len(raw) != chunk.nbytes:
-        raise CorruptCheckpointError(f"cannot read {chunk_label(item.key, chunk)}")
-    _populate(mapped.obj, chunk.offset + used.start, len(used))
-    whole = (
-        torch.frombuffer(raw, dtype=torch.uint8)
-        if chunk.nbytes
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    return raw, whole.view(dtype).reshape(chunk.box.sizes)
-
-
 def _pieces(
-    reader: StorageReader,
     item: ReadItem,
     dest: torch.Tensor,
     dtype: torch.dtype,
     files: LocalFiles,
     step_bytes: int | None = None,
+    slot: int = 0,
 ) -> Iterator[_Copy]:
     """Read the chunk rows covering ``item.box``, widened to whole checksum blocks, and
     yield each piece's overlap that was not read in place.
@@ -170,7 +169,6 @@ def _pieces(
         step_bytes = _PIECE_BYTES if direct else _SCRATCH_PIECE_BYTES
     step = max(1, step_bytes // max(1, rb))
     block = chunk.block_rows
-    mapped = whole = None
     for b in range(r0 // block, math.ceil(r1 / block)):
         if b >= len(chunk.checksums):
             raise CorruptCheckpointError(
@@ -183,20 +181,11 @@ def _pieces(
             lo, hi = max(ps, r0), min(pe, r1)
             if direct and (lo, hi) == (ps, pe):
                 view = out[(ps - r0) * rb : (pe - r0) * rb]
-                _read(reader, item, chunk.offset + ps * rb, view)
+                _read(files, item, chunk.offset + ps * rb, view)
                 digest.update(view)
                 continue
-            if mapped is None and files.usable:
-                last = min(math.ceil(r1 / block) * block, rows)
-                used = range(r0 // block * block * rb, last * rb)
-                mapped, whole = _mapped_chunk(files, item, dtype, used)
-            if mapped is not None:  # no copy into scratch: the page cache is the source
-                digest.update(mapped[ps * rb : pe * rb])
-                if lo < hi:
-                    yield _Copy(lo - r0, hi - r0, whole[(slice(lo, hi), *inner)])
-                continue
-            buf = _scratch_bytes((pe - ps) * rb)
-            _read(reader, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
+            buf = _scratch_bytes((pe - ps) * rb, slot)
+            _read(files, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
             digest.update(memoryview(buf.numpy()))
             if lo < hi:
                 src = buf.view(dtype).reshape((pe - ps, *chunk.box.sizes[1:]))
@@ -213,11 +202,11 @@ def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
     return dest.reshape(1) if not item.box.ndim else dest
 
 
-def _read_one(reader, planner, item, dtype, files, dest=None) -> None:
+def _read_one(planner, item, dtype, files, dest=None) -> None:
     dest = _destination(planner, item) if dest is None else dest
     with torch.no_grad():
-        for piece in _pieces(reader, item, dest, dtype, files):
-            stream_copy_rows(dest[piece.lo : piece.hi], piece.src)
+        for piece in _pieces(item, dest, dtype, files):
+            copy_into(dest[piece.lo : piece.hi], piece.src)
 
 
 def _band(items: list[ReadItem], dests: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
@@ -253,31 +242,28 @@ def _band(items: list[ReadItem], dests: list[torch.Tensor]) -> tuple[torch.Tenso
 
 
 def _write_band(out: torch.Tensor, dim: int, parts: list[torch.Tensor]) -> None:
-    """``torch.cat(parts, dim, out=out)``; with streaming stores, each part straight into
-    its slot, where every part allows it (rows whose bytes are contiguous)."""
-    slots, start = [], 0
+    """``torch.cat(parts, dim, out=out)``, written as one single-threaded copy per part
+    into its slot (``torch.cat`` with ``out=`` measured far slower on small bands)."""
+    start = 0
     for part in parts:
-        slots.append(out.narrow(dim, start, part.shape[dim]))
+        copy_into(out.narrow(dim, start, part.shape[dim]), part)
         start += part.shape[dim]
-    if all(can_stream_rows(slot, part) for slot, part in zip(slots, parts)):
-        for slot, part in zip(slots, parts):
-            stream_rows_checked(slot, part)
-    else:
-        torch.cat(parts, dim=dim, out=out)
 
 
-def _read_band(reader, planner, items, dtypes, files) -> None:
+def _read_band(planner, items, dtypes, files) -> None:
     """Read chunks that fill the same destination rows side by side, in lockstep."""
     items = sorted(items, key=lambda i: i.box.offsets)
     dests = [_destination(planner, i) for i in items]
-    found = _band(items, dests) if files.usable else None
+    found = _band(items, dests)
     if found is None or any(dtypes[i.key] != d.dtype for i, d in zip(items, dests)):
         for item, dest in zip(items, dests):
-            _read_one(reader, planner, item, dtypes[item.key], files, dest)
+            _read_one(planner, item, dtypes[item.key], files, dest)
         return
     band, dim = found
     step = max(1, _BAND_PIECE_BYTES // len(items))
-    pieces = [_pieces(reader, i, d, d.dtype, files, step) for i, d in zip(items, dests)]
+    pieces = [
+        _pieces(i, d, d.dtype, files, step, slot=k) for k, (i, d) in enumerate(zip(items, dests))
+    ]
     pending = [next(p, None) for p in pieces]
     with torch.no_grad():
         while any(p is not None for p in pending):
@@ -290,12 +276,36 @@ def _read_band(reader, planner, items, dtypes, files) -> None:
             first = min(p.lo for p in pending if p is not None)
             for k, p in enumerate(pending):  # misaligned pieces: copy the earliest ones
                 if p is not None and p.lo == first:
-                    dests[k][p.lo : p.hi].copy_(p.src)
+                    copy_into(dests[k][p.lo : p.hi], p.src)
                     pending[k] = next(pieces[k], None)
 
 
-def read_items(reader, planner, items: list[ReadItem], dtypes: dict, files: LocalFiles, pool):
-    """Read every item, a band of side-by-side chunks at a time, on ``pool`` if given."""
+def _split(item: ReadItem, dtype: torch.dtype) -> list[ReadItem]:
+    """``item`` cut into row ranges of about ``_SPLIT_BYTES`` on its chunk's checksum
+    block grid, so reader threads share one large chunk and hash no block twice."""
+    box, chunk = item.box, item.chunk
+    rb = row_bytes(box.sizes, dtype.itemsize)
+    if not box.ndim or rb * box.sizes[0] < 2 * _SPLIT_BYTES:
+        return [item]
+    block = max(1, chunk.block_rows)
+    step = max(1, _SPLIT_BYTES // max(1, rb))
+    step = -(-step // block) * block
+    start, end, c0 = box.offsets[0], box.offsets[0] + box.sizes[0], chunk.box.offsets[0]
+    cuts = [start]
+    cut = c0 + ((start - c0) // step + 1) * step
+    while cut < end:
+        cuts.append(cut)
+        cut += step
+    cuts.append(end)
+    return [
+        ReadItem(item.key, Box((a, *box.offsets[1:]), (b - a, *box.sizes[1:])), chunk)
+        for a, b in zip(cuts, cuts[1:])
+    ]
+
+
+def read_items(planner, items: list[ReadItem], dtypes: dict, files: LocalFiles, pool):
+    """Read every item, a band of side-by-side chunks at a time, on ``pool`` if given
+    (a large single chunk in row ranges, so all the pool's threads read it)."""
     bands: dict[tuple, list[ReadItem]] = {}
     for item in sorted(items, key=lambda i: (i.chunk.file, i.chunk.offset)):
         rows = (item.box.offsets[:1], item.box.sizes[:1])
@@ -303,13 +313,19 @@ def read_items(reader, planner, items: list[ReadItem], dtypes: dict, files: Loca
 
     def run(group: list[ReadItem]) -> None:
         if len(group) == 1:
-            _read_one(reader, planner, group[0], dtypes[group[0].key], files)
+            _read_one(planner, group[0], dtypes[group[0].key], files)
         else:
-            _read_band(reader, planner, group, dtypes, files)
+            _read_band(planner, group, dtypes, files)
 
     if pool is None:
         for group in bands.values():
             run(group)
         return
-    for fut in [pool.submit(run, group) for group in bands.values()]:
+    groups: list[list[ReadItem]] = []
+    for group in bands.values():
+        if len(group) == 1:
+            groups += [[part] for part in _split(group[0], dtypes[group[0].key])]
+        else:
+            groups.append(group)
+    for fut in [pool.submit(run, group) for group in groups]:
         fut.result()

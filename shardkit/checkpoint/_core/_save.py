@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ... import runtime
 from ...spmd.layout import Box
 from ._comm import Comm
 from ._errors import CheckpointError, ReplicaMismatchWarning
@@ -81,6 +82,8 @@ class SaveJob:
     #: An error to report on every rank at the write agreement instead of writing
     #: (a ReplicaMismatchWarning promoted to an error on this rank).
     error: BaseException | None = None
+    #: most tensor bytes per data file (``max_file_bytes`` of the writer), None: no cap
+    file_cap: int | None = None
 
     @property
     def is_coordinator(self) -> bool:
@@ -124,6 +127,50 @@ def _assign_files(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
         bins[k].append(item)
         load[k] += item.nbytes
     return [b for b in bins if b]
+
+
+def _cap_items(items: list[WriteItem], cap: int | None) -> list[WriteItem]:
+    """Items cut into row pieces of at most ``cap`` bytes (at least one row each)."""
+    if cap is None:
+        return items
+    out = []
+    for item in items:
+        if item.nbytes <= cap or not item.box.ndim or item.box.sizes[0] < 2:
+            out.append(item)
+            continue
+        rows = item.box.sizes[0]
+        step = max(1, cap // max(1, item.nbytes // rows))
+        for r in range(0, rows, step):
+            offsets = (item.box.offsets[0] + r, *item.box.offsets[1:])
+            sizes = (min(step, rows - r), *item.box.sizes[1:])
+            out.append(WriteItem(item.key, Box(offsets, sizes), item.shape, item.dtype))
+    return out
+
+
+def _cap_files(bins: list[list[WriteItem]], cap: int | None) -> list[list[WriteItem]]:
+    """Each bin split, in order, into files of at most ``cap`` bytes of tensor data (a
+    single item larger than ``cap``, a one-row tensor, keeps a file of its own)."""
+    if cap is None:
+        return bins
+    files: list[list[WriteItem]] = []
+    for items in bins:
+        current, size = [], 0
+        for item in items:
+            if current and size + item.nbytes > cap:
+                files.append(current)
+                current, size = [], 0
+            current.append(item)
+            size += item.nbytes
+        files.append(current)
+    return [f for f in files if f]
+
+
+def max_file_bytes(writer: StorageWriter) -> int | None:
+    """The writer's cap on a data file's tensor bytes, checked; None for no cap."""
+    cap = getattr(writer, "max_file_bytes", None)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"{writer!r}: max_file_bytes must be a positive int or None, got {cap!r}")
+    return cap
 
 
 _HASH_SPAN = 32 << 20
@@ -229,6 +276,7 @@ def prepare(
     planner: SavePlanner,
     comm: Comm,
     thread_count: int,
+    file_cap: int | None = None,
     *,
     flat_fn: Callable[[], Flat] | None = None,
 ) -> SaveJob:
@@ -259,7 +307,9 @@ def prepare(
     mine = planner.create_global_plan(plans)[comm.rank]
     job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner)
     job.error = _warn_mismatches(mismatched)
-    job.files = _name_files(job, _assign_files(mine.items, thread_count))
+    job.file_cap = file_cap
+    bins = _assign_files(_cap_items(mine.items, file_cap), thread_count)
+    job.files = _name_files(job, _cap_files(bins, file_cap))
     return job
 
 
@@ -282,7 +332,9 @@ def _reuse_base(job: SaveJob, writer: StorageWriter, data: Callable) -> tuple[li
         to_write, records, linked = reuse_chunks(base, items, data, bytes_view)
     finally:
         base.close()
-    job.files = _name_files(job, _assign_files(to_write, writer.thread_count))
+    job.files = _name_files(
+        job, _cap_files(_assign_files(to_write, writer.thread_count), job.file_cap)
+    )
     return records, linked
 
 
@@ -535,9 +587,11 @@ def save(
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     wait_for_inflight()
+    if not no_dist:
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
     comm = Comm(process_group, local=check_no_dist(no_dist, use_collectives))
     base = base_reader(writer, incremental_base)
-    job = prepare(state_dict, planner, comm, writer.thread_count)
+    job = prepare(state_dict, planner, comm, writer.thread_count, max_file_bytes(writer))
     job.base = base
     return write_and_commit(job, writer, comm, live_data(planner))
 
@@ -549,3 +603,8 @@ def base_reader(writer: StorageWriter, incremental_base: Any) -> Any:
     from ._incremental import check_sibling
 
     return check_sibling(writer, incremental_base)
+
+
+# exit: an async save in flight finishes (and commits) before the process ends
+runtime.drain_at_exit(wait_for_inflight)
+runtime.drain_at_exit(join_cleanups)

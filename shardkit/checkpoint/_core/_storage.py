@@ -21,6 +21,8 @@ from ._format import METADATA_FILE
 #: Bytes per write() call: one huge write() stalls far longer in the kernel's dirty-page
 #: throttling than the same bytes in 1 MiB calls (measured 2-3x on ext4).
 _WRITE_CHUNK = 1 << 20
+#: Default cap on the tensor bytes of one data file (Hugging Face shards at 5 GB).
+DEFAULT_MAX_FILE_BYTES = 4 << 30
 
 __all__ = ["StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader"]
 
@@ -176,6 +178,9 @@ class FileSystemWriter(_FileSystem):
         thread_count: files each rank writes in parallel.
         sync_files: fsync every file and the directory before the commit (local paths).
         storage_options: fsspec options for ``path`` (credentials, an S3 ``endpoint_url``...).
+        max_file_bytes: most tensor bytes per data file (plus its small header); a rank's
+            share then spans several files, a larger tensor is cut into row pieces. None:
+            no cap.
     """
 
     def __init__(
@@ -185,9 +190,19 @@ class FileSystemWriter(_FileSystem):
         thread_count: int = 1,
         sync_files: bool = True,
         storage_options: dict | None = None,
+        max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES,
     ) -> None:
         super().__init__(path, storage_options)
         self.thread_count = _check_threads(thread_count)
+        if max_file_bytes is not None and (
+            isinstance(max_file_bytes, bool)
+            or not isinstance(max_file_bytes, int)
+            or max_file_bytes < 1
+        ):
+            raise ValueError(
+                f"max_file_bytes must be a positive int or None, got {max_file_bytes!r}"
+            )
+        self.max_file_bytes = max_file_bytes
         self.sync_files = bool(sync_files)
         self._made = False
 

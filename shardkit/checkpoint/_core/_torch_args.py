@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ._errors import CheckpointError
 from ._format import METADATA_FILE
 from ._planner import warn_once
+from ._storage import DEFAULT_MAX_FILE_BYTES
 from ._storage import FileSystemWriter as _BaseWriter
 
 __all__ = ["FileSystemWriter", "check_no_dist", "check_async_args"]
@@ -64,6 +65,8 @@ class FileSystemWriter(_BaseWriter):
         overwrite: when False, refuse (``CheckpointError``, a RuntimeError as torch's) to
             save where a committed checkpoint already is.
         storage_options: fsspec options for ``path``.
+        max_file_bytes: most tensor bytes per data file (default 4 GiB); a rank's share
+            then spans several files. None: no cap.
         single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
             serialization_format, _extensions: torch's; shardkit always writes
             ``thread_count`` safetensors files per rank and stages itself, so a non-default
@@ -83,9 +86,14 @@ class FileSystemWriter(_BaseWriter):
         storage_options: dict | None = None,
         serialization_format: Any = None,
         _extensions: Iterable[Any] | None = None,
+        max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES,
     ) -> None:
         super().__init__(
-            path, thread_count=thread_count, sync_files=sync_files, storage_options=storage_options
+            path,
+            thread_count=thread_count,
+            sync_files=sync_files,
+            storage_options=storage_options,
+            max_file_bytes=max_file_bytes,
         )
         ignored = {
             "single_file_per_rank": (single_file_per_rank, True),

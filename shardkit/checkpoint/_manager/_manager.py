@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import runtime
 from .._core._errors import CheckpointError
 from ._checks import check_metrics as _check_metrics
 from ._checks import nonneg_int as _nonneg_int
@@ -131,6 +132,7 @@ class CheckpointManager:
         )
         self._store = StepStore(os.fspath(path), storage_options)
         self.path = self._store.url
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self._lease = Lease(self._store.fs, self._store.root, ttl=float(lease_ttl))
         self._init_groups(process_group, async_process_group)
         self._watcher = PreemptionWatcher(preemption_signal) if chkpt_on_preemption else None

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ... import runtime
 from .._core._errors import StateDictMismatchError
 from .._core._planner import on_rank
 from ._broadcast import broadcast_from_rank0
@@ -106,6 +107,7 @@ def get_model_state_dict(
         options: see :class:`StateDictOptions`.
     """
     opts = resolve_options(options)
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     prefixes = submodule_prefixes(model, submodules)
     entries, _ = _live_entries(model)
     frozen = _frozen(model) if opts.ignore_frozen_params else set()
@@ -158,6 +160,7 @@ def set_model_state_dict(
         :class:`IncompatibleKeys` (empty lists unless ``options.strict`` is off).
     """
     opts = resolve_options(options)
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     if not isinstance(model_state_dict, Mapping):
         raise TypeError(
             f"model_state_dict must be a mapping of FQN -> value, got "

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import runtime
 from ...spmd import ShardedTensor
 from .._core._errors import StateDictMismatchError
 from ._broadcast import broadcast_items, world_of_many
@@ -121,6 +122,7 @@ def get_optimizer_state_dict(
     has not stepped yet gets its state allocated first (see :func:`prime_state`).
     """
     opts = resolve_options(options)
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     optims = as_optimizers(optimizers)
     prefixes = submodule_prefixes(model, submodules)
     fqns, owners = param_fqns(model)
@@ -203,6 +205,7 @@ def set_optimizer_state_dict(
     ``options.broadcast_from_rank0`` only rank 0's state dict is read.
     """
     opts = resolve_options(options)
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
     optims = as_optimizers(optimizers)
     fqns, owners = param_fqns(model)
     for n, optim in enumerate(optims):  # validate every optimizer before changing any

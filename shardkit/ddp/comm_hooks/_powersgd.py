@@ -160,6 +160,23 @@ def _random_like(numel: int, seed: int, like: torch.Tensor) -> torch.Tensor:
     return torch.randn(numel, generator=gen).to(device=like.device, dtype=like.dtype)
 
 
+def _low_rank_product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``p @ q.transpose(1, 2)`` for [batch, rows, r] and [batch, cols, r], bit-reproducibly.
+
+    Decompression runs in a future's callback, i.e. on whichever thread completes the
+    collective: a gloo worker thread or, when the collective has already finished, the
+    caller's. A BLAS ``bmm`` does not give bitwise the same result on both (its kernel and
+    thread team differ per calling thread), so runs differed in the last bits from step to
+    step, and a resumed run drifted from a straight one. Built from r elementwise
+    multiply-adds instead (r is the small approximation rank), each element is rounded the
+    same way on any thread.
+    """
+    out = p[:, :, :1] * q[:, :, 0].unsqueeze(1)
+    for j in range(1, p.shape[-1]):
+        out.add_(p[:, :, j : j + 1] * q[:, :, j].unsqueeze(1))
+    return out
+
+
 def _orthogonalize_(p: torch.Tensor, eps: float) -> None:
     """Gram-Schmidt on the columns of ``p`` ([batch, rows, rank]), in place.
 
@@ -305,7 +322,7 @@ def powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
             offset += view.numel()
         q_mem.div_(world)
         for grp, p, q in zip(groups, ps, qs):
-            approx = torch.bmm(p, q.transpose(1, 2))
+            approx = _low_rank_product(p, q)
             for i, (mat, _) in enumerate(grp):
                 mat.copy_(approx[i])
         _keep_residual(state, index, local, buffer)
@@ -345,7 +362,7 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket) -> torch.futures.Future[
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         q_avg = fut.wait().div_(world)
-        approx = torch.bmm(p, q_avg.transpose(1, 2)).view(-1)
+        approx = _low_rank_product(p, q_avg).view(-1)
         buffer.copy_(approx[: buffer.numel()])
         _keep_residual(state, index, local, buffer)
         return buffer

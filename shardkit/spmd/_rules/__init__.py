@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .._dispatch import register_class_rule
-from . import _matmul, _nn, _optim, _pointwise, _reduce, _views  # noqa: F401  (registration)
+from .._dispatch import _SPECIAL_OPERANDS, register_class_rule
+from . import _fold, _index, _matmul, _nn, _optim, _pointwise, _reduce, _views  # noqa: F401
 
 _EXTRA_POINTWISE = {"masked_fill_", "masked_fill", "where", "clamp_", "clamp_min_", "clamp_max_"}
 
@@ -16,5 +16,6 @@ def _is_pointwise(func) -> bool:
 
 register_class_rule(_is_pointwise, _pointwise.pointwise_rule)
 register_class_rule(_optim.is_foreach, _optim.foreach_rule)
+_SPECIAL_OPERANDS.append((_fold.has_folded, _fold.dispatch_folded))
 
 __all__: list[str] = []

@@ -74,6 +74,8 @@ def local_under(x, placement: Placement) -> torch.Tensor:
     """
     if is_st(x):
         src = x._placement
+        if src == placement:
+            return x._local_tensor
         keep = tuple(p for p in src.partial if p in placement.partial)
         if len(keep) != len(src.partial):
             # resolve pending reductions once and remember it: autograd saves this same

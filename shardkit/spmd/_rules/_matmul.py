@@ -4,7 +4,7 @@ Each operand dim may keep its sharding: the row dim of A, the column dim of B, t
 batch dim, and the contracted dim ``k``. Sharding ``k`` identically on both sides makes
 the product a pending sum over those axes (resolved lazily, when the value is needed).
 Candidates are ranked by the bytes their input moves need plus the later cost of a
-pending sum.
+pending sum (not charged when both operands already share the contracted dim's axes).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from itertools import product
 
 import torch
 
-from .._dispatch import register_rule
+from .._dispatch import Declined, register_rule
 from ._common import (
     Placement,
     disjoint,
@@ -66,7 +66,13 @@ def _plan(a, b, batched: bool, mesh, out_shape, bias=None, elsize=4):
         req_b = Placement(mesh, ((bb,) if batched else ()) + (k, n), keep_b)
         out_partial = tuple((x, "sum") for x in k) + keep_a + keep_b
         out = Placement(mesh, ((bb,) if batched else ()) + (m, n), out_partial)
-        cost = move_cost(a, req_a) + move_cost(b, req_b) + partial_cost(out, out_shape, elsize)
+        cost = move_cost(a, req_a) + move_cost(b, req_b)
+        if not (k and a_k == k and b_k == k):
+            # a contraction the operands already share is left pending for free, as
+            # DTensor does: its sum is resolved later, often merged with others (gradient
+            # accumulation, residual adds) into one collective, so moving operands now to
+            # avoid it would pay for traffic the pending sum may never need
+            cost += partial_cost(out, out_shape, elsize)
         req_bias = None
         if bias is not None and isinstance(bias, torch.Tensor):
             req_bias = _bias_placement(bias, out, out_shape)
@@ -99,7 +105,7 @@ def _mm(func, args, kwargs):
 def _addmm(func, args, kwargs):
     bias, a, b = args[:3]
     if is_st(bias) and bias._placement.partial:
-        return NotImplemented
+        return Declined("a bias holding a pending sum")
     mesh = next(x for x in (a, b, bias) if is_st(x))._placement.mesh
     out_shape = (a.shape[0], b.shape[1])
     req_a, req_b, out, req_bias = _plan(

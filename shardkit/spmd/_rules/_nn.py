@@ -5,10 +5,12 @@ pointwise ops and a mean, which have their own rules).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import _comm
-from .._dispatch import register_rule
+from .._dispatch import Declined, register_rule
 from ._common import Placement, is_st, local_under, move_cost, norm_dim, wrap
 
 aten = torch.ops.aten
@@ -33,18 +35,62 @@ def _replicated(x, mesh):
 
 
 # -- softmax ----------------------------------------------------------------------------
-@register_rule(aten._softmax.default, aten._log_softmax.default)
+@register_rule(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
 def _softmax(func, args, kwargs):
     st, dim = args[0], norm_dim(args[1], args[0].ndim)
     p = st._placement
+    if p.spec[dim] and func is not aten._safe_softmax.default and st.is_floating_point():
+        return _sharded_softmax(func, st, dim, args)
     req = Placement(p.mesh, _unshard(p.spec, {dim}))
     return wrap(func(local_under(st, req), dim, *args[2:]), req, st.shape)
+
+
+def _sharded_softmax(func, st, dim, args):
+    """Softmax over a sharded dim without gathering it (vocabulary-parallel logits): the
+    row max and the row sum of exponentials are all-reduced over the dim's axes, one
+    value per row each."""
+    p = st._placement.without_partial()
+    axes = sorted(p.spec[dim])
+    local = local_under(st, p)
+    if len(args) > 2 and args[2]:  # half_to_float
+        local = local.float()
+    if local.shape[dim]:
+        row_max = local.amax(dim, keepdim=True)
+    else:
+        sizes = list(local.shape)
+        sizes[dim] = 1
+        row_max = local.new_full(sizes, -math.inf)
+    _comm.all_reduce(row_max, p.mesh, axes, "max")
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    shifted = local - row_max
+    sum_exp = shifted.exp().sum(dim, keepdim=True)
+    _comm.all_reduce(sum_exp, p.mesh, axes, "sum")
+    if func is aten._log_softmax.default:
+        out = shifted - sum_exp.log()
+    else:
+        out = shifted.exp() / sum_exp
+    return wrap(out, p, st.shape)
 
 
 @register_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
 def _softmax_backward(func, args, kwargs):
     grad, output, dim = args[0], args[1], norm_dim(args[2], args[1].ndim)
     mesh = _mesh(grad, output)
+    out_spec = _spec_of(output)
+    if out_spec[dim]:
+        # the softmax dim is sharded: the one row sum the formula needs is all-reduced
+        req = Placement(mesh, out_spec)
+        g, o = local_under(grad, req), local_under(output, req)
+        axes = sorted(out_spec[dim])
+        if func is aten._log_softmax_backward_data.default:
+            row = g.sum(dim, keepdim=True)
+            _comm.all_reduce(row, mesh, axes, "sum")
+            local = g - o.exp() * row
+        else:
+            row = (g * o).sum(dim, keepdim=True)
+            _comm.all_reduce(row, mesh, axes, "sum")
+            local = o * (g - row)
+        return wrap(local.to(args[3]), req, grad.shape)
     options = [_unshard(_spec_of(x), {dim}) for x in (grad, output)]
     req = min(
         (Placement(mesh, s) for s in options),
@@ -144,7 +190,7 @@ def _embedding_backward(func, args, kwargs):
     dim_axes = g_spec[-1]
     i_spec = tuple(tuple(a for a in axes if a not in dim_axes) for axes in g_spec[:-1])
     if scale_by_freq and any(i_spec):
-        return NotImplemented
+        return Declined("scale_grad_by_freq with sharded indices (needs global counts)")
     req_g = Placement(mesh, i_spec + (dim_axes,))
     req_i = Placement(mesh, i_spec)
     local = func(local_under(grad, req_g), local_under(indices, req_i), *args[2:])
@@ -181,10 +227,58 @@ def _nll_placements(x, target):
     return mesh, batch_axes, Placement(mesh, x_spec), Placement(mesh, (batch_axes,) * target.ndim)
 
 
+def _class_axes(x, batch_axes) -> tuple:
+    """The axes of ``x``'s class dim (2-D input) that the batch does not use."""
+    if x.ndim != 2 or not is_st(x) or not x.is_floating_point():
+        return ()
+    return tuple(a for a in x._placement.spec[1] if a not in batch_axes)
+
+
+def _class_sharded_pick(x, target, weight, ignore_index, batch_axes, class_axes):
+    """Vocabulary-parallel NLL: each rank picks the targets that fall in its classes."""
+    mesh = _mesh(x, target)
+    x_req = Placement(mesh, (batch_axes, class_axes))
+    t_req = Placement(mesh, (batch_axes,))
+    lx, lt = local_under(x, x_req), local_under(target, t_req)
+    lw = _replicated(weight, mesh)
+    lo, size = x_req.box(x.shape).offsets[1], lx.shape[1]
+    valid = lt != ignore_index
+    mine = valid & (lt >= lo) & (lt < lo + size)
+    idx = (lt - lo).clamp(0, max(size - 1, 0))
+    if lw is None:
+        w_t = valid.to(lx.dtype)
+    else:
+        w_t = lw[torch.where(valid, lt, 0)] * valid
+    return mesh, x_req, lx, mine, idx, w_t
+
+
 @register_rule(aten.nll_loss_forward.default)
 def _nll_forward(func, args, kwargs):
     x, target, weight, reduction, ignore_index = args
     mesh, axes, x_req, t_req = _nll_placements(x, target)
+    class_axes = _class_axes(x, axes)
+    if class_axes:
+        mesh, x_req, lx, mine, idx, w_t = _class_sharded_pick(
+            x, target, weight, ignore_index, axes, class_axes
+        )
+        picked = (
+            lx.gather(1, idx.unsqueeze(1)).squeeze(1) if lx.shape[1] else lx.new_zeros(w_t.shape)
+        )
+        losses = torch.where(mine, -picked * w_t, torch.zeros_like(w_t))
+        total = w_t.sum().to(lx.dtype)
+        _comm.all_reduce(total, mesh, sorted(axes), "sum")
+        class_partial = tuple((a, "sum") for a in class_axes)
+        rep = Placement.replicated(mesh, 0)
+        if reduction == 0:
+            return (
+                wrap(losses, Placement(mesh, (axes,), class_partial), target.shape),
+                wrap(total, rep, ()),
+            )
+        out = losses.sum()
+        if reduction == 1:
+            out = out / total
+        partial = class_partial + tuple((a, "sum") for a in axes)
+        return wrap(out, Placement(mesh, (), partial), ()), wrap(total, rep, ())
     lx, lt, lw = local_under(x, x_req), local_under(target, t_req), _replicated(weight, mesh)
     if not axes:
         out, total = func(lx, lt, lw, reduction, ignore_index)
@@ -216,6 +310,23 @@ def _nll_forward(func, args, kwargs):
 def _nll_backward(func, args, kwargs):
     grad, x, target, weight, reduction, ignore_index, total = args
     mesh, axes, x_req, t_req = _nll_placements(x, target)
+    class_axes = _class_axes(x, axes)
+    if class_axes:
+        mesh, x_req, lx, mine, idx, w_t = _class_sharded_pick(
+            x, target, weight, ignore_index, axes, class_axes
+        )
+        if reduction == 0:
+            g = local_under(grad, Placement(mesh, (axes,)))
+        else:
+            g = local_under(grad, Placement.replicated(mesh, grad.ndim))
+        coef = -w_t * g
+        if reduction == 1:
+            coef = coef / _replicated(total, mesh)
+        coef = torch.where(mine, coef, torch.zeros_like(coef)).to(lx.dtype)
+        local = torch.zeros_like(lx)
+        if lx.shape[1]:
+            local.scatter_(1, idx.unsqueeze(1), coef.unsqueeze(1))
+        return wrap(local, x_req, x.shape)
     g_req = Placement(mesh, (axes,) if grad.ndim == 1 else ((),) * grad.ndim)
     local = func(
         local_under(grad, g_req) if isinstance(grad, torch.Tensor) else grad,
@@ -230,35 +341,60 @@ def _nll_backward(func, args, kwargs):
 
 
 # -- attention --------------------------------------------------------------------------
+def _mask_placement(mask, mesh, lead, shape) -> Placement:
+    """The mask's placement for attention sharded ``lead`` on (batch, heads): it
+    broadcasts against ``shape``, so a dim of size 1 (or missing) stays whole."""
+    off = len(shape) - mask.ndim
+    spec = []
+    for i in range(mask.ndim):
+        d = i + off
+        spec.append(lead[d] if d < 2 and mask.shape[i] == shape[d] else ())
+    return Placement(mesh, tuple(spec))
+
+
 @register_rule(
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
 )
 def _attention(func, args, kwargs):
     """Attention is independent per (batch, head): those two dims keep their sharding,
-    sequence and head dims are gathered. Dropout inside attention and masks go through
-    the fallback (exact, with the single-device random stream)."""
+    sequence and head dims are gathered. An ``attn_mask`` is sliced like the batch and
+    head dims it spans (broadcast dims stay whole). Dropout inside attention goes
+    through the fallback (exact, with the single-device random stream)."""
     backward = func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     n_tensors = 6 if backward else 3
     tensors, rest = list(args[:n_tensors]), list(args[n_tensors:])
     dropout_p = rest[0] if rest else kwargs.get("dropout_p", 0.0)
-    if dropout_p or kwargs.get("attn_mask") is not None:
-        return NotImplemented
-    mesh = _mesh(*tensors)
+    if dropout_p:
+        return Declined(f"dropout_p={dropout_p} inside attention (random stream)")
+    mask = kwargs.get("attn_mask")
+    mesh = _mesh(*tensors, *([mask] if mask is not None else []))
     options = []
     for t in tensors:
         lead = _gqa_safe(_spec_of(t)[:2], tensors, mesh)
         if lead not in options:
             options.append(lead)
+    q_shape = tuple(tensors[1].shape) if backward else tuple(tensors[0].shape)
     best = None
     for lead in options:
         reqs = [Placement(mesh, lead + ((),) * (t.ndim - 2)) for t in tensors]
         cost = sum(move_cost(t, r) for t, r in zip(tensors, reqs))
+        mask_req = None
+        if isinstance(mask, torch.Tensor):
+            mask_req = _mask_placement(mask, mesh, lead, q_shape)
+            cost += move_cost(mask, mask_req)
         if best is None or cost < best[0]:
-            best = (cost, lead, reqs)
-    _, lead, reqs = best
+            best = (cost, lead, reqs, mask_req)
+    _, lead, reqs, mask_req = best
+    local_kwargs = dict(kwargs)
+    meta_kwargs = dict(kwargs)
+    if mask_req is not None:
+        local_kwargs["attn_mask"] = local_under(mask, mask_req)
+        meta_kwargs["attn_mask"] = torch.empty(mask.shape, dtype=mask.dtype, device="meta")
     metas = func(
-        *[torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors], *rest, **kwargs
+        *[torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors],
+        *rest,
+        **meta_kwargs,
     )
     places = [Placement(mesh, lead + ((),) * (m.ndim - 2)) for m in metas]
     locals_ = [local_under(t, r) for t, r in zip(tensors, reqs)]
@@ -271,7 +407,7 @@ def _attention(func, args, kwargs):
             for p, m in zip(places, metas)
         ]
     else:
-        outs = func(*locals_, *rest, **kwargs)
+        outs = func(*locals_, *rest, **local_kwargs)
     return tuple(wrap(o, p, m.shape) for o, p, m in zip(outs, places, metas))
 
 

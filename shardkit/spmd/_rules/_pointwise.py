@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .._dispatch import register_rule
+from .._dispatch import Declined, register_rule
 from ._common import (
     Placement,
     is_partial_leader,
@@ -74,7 +74,21 @@ def _candidate(st, out_shape) -> tuple:
     return tuple(spec)
 
 
-def _plan(func, sts, out_spec, first) -> tuple[tuple, bool]:
+def _scales_only(holder, tensors) -> bool:
+    """Whether ``P * t`` should keep ``P`` pending: only when every other tensor operand
+    is a scalar (``numel() == 1``).
+
+    Multiplying by a non-scalar tensor ``t`` makes a new value the same size as ``P`` or
+    larger, so resolving ``P`` now costs no more than resolving the product later, and
+    the resolution is remembered on ``P``, where every other consumer of ``P`` reuses it.
+    Kept pending, each product would need its own all-reduce: a column-parallel layer's
+    input gradient, for example, feeds both halves of a norm's backward (the input
+    gradient and the weight gradient).
+    """
+    return all(t is holder or t.numel() == 1 for t in tensors)
+
+
+def _plan(func, sts, out_spec, first, tensors=()) -> tuple[tuple, bool]:
     """Output partial axes for ``out_spec`` and whether non-partial terms go to the leader."""
     base = func.overloadpacket.__name__.rstrip("_")
     partials = {st._placement.partial for st in sts if st._placement.partial}
@@ -88,29 +102,24 @@ def _plan(func, sts, out_spec, first) -> tuple[tuple, bool]:
     if base in _ADD:
         return partial, True
     if base in _MUL and len(holders) == 1 and (base == "mul" or holders[0] is first):
-        return partial, False
+        if _scales_only(holders[0], tensors):
+            return partial, False
+        return (), False
     if base in _UNARY_LINEAR and len(sts) == 1:
         return partial, False
     return (), False
 
 
-def pointwise_rule(func, args, kwargs):
-    if "out" in kwargs:
-        return NotImplemented
-    flat, tree, num_positional = _flatten(args, kwargs)
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    sts = [x for x in tensors if is_st(x)]
-    mesh = sts[0]._placement.mesh
+def _choose(func, tensors, sts, mesh, first):
+    """``(out_shape, spec, partial, leader_only, reqs)`` for a pointwise call, or
+    Declined."""
     if any(st._placement.mesh != mesh for st in sts):
-        return NotImplemented
+        return Declined("operands on different meshes")
     out_shape = _broadcast([tuple(t.shape) for t in tensors])
     inplace = is_inplace(func)
-    first = args[0]
     if inplace:
-        if not is_st(first) and isinstance(first, torch.Tensor):
-            return _into_plain(func, flat, tree, sts, mesh)
-        if tuple(first.shape) != out_shape:
-            return NotImplemented
+        if not is_st(first) or tuple(first.shape) != out_shape:
+            return Declined("an in-place op that broadcasts self")
         candidates = [first._placement.spec]
     else:
         candidates = []
@@ -124,7 +133,7 @@ def pointwise_rule(func, args, kwargs):
 
     best = None
     for spec in candidates:
-        partial, leader_only = _plan(func, sts, spec, first)
+        partial, leader_only = _plan(func, sts, spec, first, tensors)
         reqs = []
         cost = 0
         for st in sts:
@@ -133,8 +142,49 @@ def pointwise_rule(func, args, kwargs):
             reqs.append(req)
             cost += move_cost(st, req)
         if best is None or cost < best[0]:
-            best = (cost, spec, partial, leader_only, reqs)
+            best = (cost, spec, partial, leader_only, tuple(reqs))
     _, spec, partial, leader_only, reqs = best
+    return out_shape, spec, partial, leader_only, reqs
+
+
+#: pointwise plans by (op, operands' shapes / placements / identities): the choice is pure
+#: arithmetic on those, and a training step repeats the same few hundred calls
+_PLANS: dict = {}
+_MAX_PLANS = 8192
+
+
+def _plan_key(func, tensors, first):
+    ids: dict[int, int] = {}
+    parts = []
+    for t in tensors:
+        slot = ids.setdefault(id(t), len(ids))
+        placement = t._placement if is_st(t) else None
+        parts.append((slot, tuple(t.shape), placement, t is first))
+    return (func, tuple(parts))
+
+
+def pointwise_rule(func, args, kwargs):
+    if "out" in kwargs:
+        return Declined("an out= argument")
+    flat, tree, num_positional = _flatten(args, kwargs)
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    sts = [x for x in tensors if is_st(x)]
+    mesh = sts[0]._placement.mesh
+    first = args[0]
+    if not is_st(first) and isinstance(first, torch.Tensor) and is_inplace(func):
+        return _into_plain(func, flat, tree, sts, mesh)
+    key = _plan_key(func, tensors, first)
+    cached = _PLANS.get(key)
+    if cached is None:
+        cached = _choose(func, tensors, sts, mesh, first)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = cached
+    if isinstance(cached, Declined):
+        return cached
+    out_shape, spec, partial, leader_only, reqs = cached
+    reqs = list(reqs)
+    inplace = is_inplace(func)
     out_placement = Placement(mesh, spec, partial)
     if inplace and first._placement.partial and not partial:
         resolve_inplace(first)
@@ -171,7 +221,7 @@ def pointwise_rule(func, args, kwargs):
         return wrap(out, out_placement, out_shape)
     if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
         return type(out)(wrap(o, out_placement, out_shape) for o in out)
-    return NotImplemented
+    return Declined(f"an output of type {type(out).__name__}")
 
 
 def _into_plain(func, flat, tree, sts, mesh):
@@ -272,7 +322,7 @@ def _new(func, args, kwargs):
 def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
     if not is_st(dst):
-        return NotImplemented
+        return Declined("copying a sharded tensor into a plain one")
     placement = dst._placement.without_partial()
     if dst._placement.partial:
         dst._local_tensor = dst._local_tensor.clone()

@@ -14,7 +14,7 @@ import math
 import torch
 
 from .. import _comm
-from .._dispatch import register_rule
+from .._dispatch import Declined, register_rule
 from ._common import Placement, local_under, norm_dim, wrap
 
 aten = torch.ops.aten
@@ -74,7 +74,7 @@ def _sum(func, args, kwargs):
     if st.ndim == 0:
         return wrap(func(st._local_tensor, *args[1:], **kwargs), st._placement, ())
     if not dims:
-        return NotImplemented
+        return Declined("an empty dim list")
     return _reduce(
         st, dims, keepdim, "sum", lambda t: aten.sum.dim_IntList(t, dims, keepdim, dtype=dtype)
     )
@@ -89,7 +89,7 @@ def _mean(func, args, kwargs):
         dims = _dims(st, args[1])
         keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     if not dims:
-        return NotImplemented
+        return Declined("an empty dim list")
     dtype = kwargs.get("dtype")
     count = math.prod(st.shape[d] for d in dims)
 
@@ -121,7 +121,7 @@ def _max_all(func, args, kwargs):
     dims = list(range(st.ndim))
     is_max = func is aten.max.default
     if not dims:
-        return NotImplemented
+        return Declined("a 0-dim tensor")
     reducer = aten.amax.default if is_max else aten.amin.default
     return _reduce(
         st,
@@ -151,7 +151,7 @@ def _indexed(func, args, kwargs):
     st = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if dim is None or st.ndim == 0:
-        return NotImplemented
+        return Declined("no dim, or a 0-dim tensor")
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     return _gather_dim_then_local(func, st, norm_dim(dim, st.ndim), keepdim, args, kwargs)
 
@@ -164,7 +164,7 @@ def _vector_norm(func, args, kwargs):
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
     dtype = kwargs.get("dtype")
     if st.ndim == 0:
-        return NotImplemented
+        return Declined("a 0-dim tensor")
     p = st._placement.without_partial()
     sharded_axes = [a for d in dims for a in p.spec[d]]
     if not sharded_axes:
@@ -184,7 +184,7 @@ def _vector_norm(func, args, kwargs):
             _lowest if op == "max" else _highest,
         )
     if ord_ == 0 or ord_ < 0:
-        return NotImplemented
+        return Declined(f"ord={ord_} over sharded dims")
     local = local_under(st, p)
     if dtype is not None:
         local = local.to(dtype)
@@ -196,3 +196,34 @@ def _vector_norm(func, args, kwargs):
     return wrap(
         powered ** (1.0 / ord_), Placement(p.mesh, spec), _out_shape(st.shape, dims, keepdim)
     )
+
+
+@register_rule(aten.all.default, aten.any.default, aten.all.dim, aten.any.dim, aten.all.dims)
+def _all_any(func, args, kwargs):
+    """``all`` / ``any``: each rank reduces its shard; over sharded dims the booleans are
+    combined at once (one all-reduce of the result as bytes: min for all, max for any)."""
+    st = args[0]
+    if func in (aten.all.default, aten.any.default):
+        dims, keepdim = list(range(st.ndim)), False
+    else:
+        dims = _dims(st, args[1] if len(args) > 1 else kwargs.get("dim"))
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    p = st._placement.without_partial()
+    local = local_under(st, p)
+    is_all = func.overloadpacket.__name__ == "all"
+    if local.numel() == 0 or any(local.shape[d] == 0 for d in dims):
+        shape = _out_shape(local.shape, dims, keepdim)
+        result = torch.full(shape, is_all, dtype=torch.bool, device=local.device)
+    else:
+        result = (
+            aten.all.dims(local, dims, keepdim) if is_all else aten.any.dims(local, dims, keepdim)
+        )
+    axes = sorted({a for d in dims for a in p.spec[d]})
+    if axes:
+        as_bytes = result.to(torch.uint8)
+        _comm.all_reduce(as_bytes, p.mesh, axes, "min" if is_all else "max")
+        result = as_bytes.to(torch.bool)
+    spec = tuple(
+        () if d in dims else axes_ for d, axes_ in enumerate(p.spec) if keepdim or d not in dims
+    )
+    return wrap(result, Placement(p.mesh, spec), _out_shape(st.shape, dims, keepdim))

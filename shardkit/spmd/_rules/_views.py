@@ -16,8 +16,9 @@ from itertools import combinations
 
 import torch
 
-from .._dispatch import register_rule
+from .._dispatch import Declined, register_rule
 from ..layout import chunk_bounds, mesh_coords, shard_index
+from . import _fold
 from ._common import Placement, is_st, local_under, move_cost, norm_dim, wrap
 
 aten = torch.ops.aten
@@ -135,6 +136,18 @@ def _view(func, args, kwargs):
     p = st._placement
     out_shape = _infer_shape(size, st.numel())
     req_spec, out_spec = view_plan(tuple(st.shape), p.spec, out_shape, p.mesh.mesh_shape)
+    if req_spec != p.spec:
+        folded = _fold.try_fold(st, out_shape)  # (batch, heads) -> batch*heads for bmm
+        if folded is not None:
+            return folded
+    return plain_view(st, out_shape, req_spec, out_spec)
+
+
+def plain_view(st, out_shape, req_spec=None, out_spec=None):
+    """``st.view(out_shape)`` in a chunk layout (gathering the dims that break it)."""
+    p = st._placement
+    if req_spec is None:
+        req_spec, out_spec = view_plan(tuple(st.shape), p.spec, out_shape, p.mesh.mesh_shape)
     req = Placement(p.mesh, req_spec, p.partial)
     out = Placement(p.mesh, out_spec, p.partial)
     local = local_under(st, req).reshape(out.box(out_shape).sizes)
@@ -260,7 +273,7 @@ def _unbind(func, args, kwargs):
 def _index_backward(func, args, kwargs):
     grad, input_sizes, dim = args[0], tuple(args[1]), args[2]
     if not is_st(grad):
-        return NotImplemented
+        return Declined("a plain gradient")
     dim = norm_dim(dim, len(input_sizes))
     p = grad._placement
     if func is aten.select_backward.default:
@@ -278,9 +291,21 @@ def _index_backward(func, args, kwargs):
 def _join(func, args, kwargs, stack: bool):
     tensors = list(args[0])
     dim_arg = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not stack:
+        # torch.cat skips 1-D empty tensors whatever the others' shapes (a KV cache starts
+        # as one); they hold nothing, so dropping them changes neither value nor layout
+        kept = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]
+        tensors = kept or tensors[:1]
+        if not any(is_st(t) for t in tensors):
+            st = next(t for t in args[0] if is_st(t))
+            local = func(
+                [local_under(t, Placement.replicated(st._placement.mesh, t.ndim)) for t in tensors],
+                dim_arg,
+            )
+            return wrap(local, Placement.replicated(st._placement.mesh, local.ndim), local.shape)
     ndim = tensors[0].ndim
     if any(t.ndim != ndim for t in tensors):
-        return NotImplemented
+        return Declined(f"operands of different ranks {[tuple(t.shape) for t in tensors]}")
     dim = norm_dim(dim_arg, ndim + 1 if stack else ndim)
     sts = [t for t in tensors if is_st(t)]
     mesh = sts[0]._placement.mesh
@@ -332,7 +357,7 @@ def _gather_scatter(func, args, kwargs):
     st, dim = args[0], args[1]
     dim = norm_dim(dim, st.ndim)
     if not is_st(st):
-        return NotImplemented
+        return Declined("a plain indexed tensor with sharded indices")
     others = [a for a in args[2:] if isinstance(a, torch.Tensor)]
     p = st._placement
     spec = tuple(

@@ -1,0 +1,145 @@
+"""Finish pending work at interpreter exit, and tear down the group shardkit created.
+
+Two phases, both while the interpreter and every process group are still alive:
+
+1. **drain** (always, a world of one included): the hooks registered with
+   :func:`drain_at_exit` (wait for an in-flight async save and its background
+   deletions) run in ``threading``'s own exit phase, before Python stops the
+   ``concurrent.futures`` workers and joins non-daemon threads. Later, an async save
+   still writing would fail with "cannot schedule new futures after interpreter
+   shutdown" and its checkpoint would silently never commit.
+2. **teardown** (atexit, only for a default group shardkit created): the hooks
+   registered with :func:`at_teardown` drop shardkit's own references to process groups
+   (a Mesh's per-axis groups, the async save's private group); then a barrier on the
+   default group, so no rank goes away while another still talks to it; then
+   ``destroy_process_group()``. A group Python still references keeps its gloo worker
+   threads after ``destroy_process_group()``; a worker that releases a finished
+   collective (whose tensors Python created) while the interpreter finalizes needs the
+   GIL, is torn down inside C++ and aborts the process with ``terminate called without
+   an active exception``.
+
+A rank that dies from an uncaught exception skips the barrier (the others may be
+inside a collective it will never join); it exits non-zero and the launcher stops the
+rest.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures.thread  # noqa: F401  (registers its exit callback before ours)
+import ctypes
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+_hooks: list[Callable[[], None]] = []
+_drains: list[Callable[[], None]] = []
+_owned: Callable[[], object] | None = None  # -> the default group shardkit created
+_failed = False
+_registered = False
+
+
+def at_teardown(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn`` at exit before shardkit destroys a process group it created.
+
+    Hooks run in registration order; one that raises is reported as a warning and the
+    teardown goes on. Returns ``fn``, so this works as a decorator.
+    """
+    if fn not in _hooks:
+        _hooks.append(fn)
+    return fn
+
+
+def drain_at_exit(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn`` at interpreter exit while threads and thread pools still work.
+
+    For waiting on background work (an async save) that must finish before the process
+    ends, with or without a process group. Returns ``fn``.
+    """
+    if fn not in _drains:
+        _drains.append(fn)
+    return fn
+
+
+def _run(hooks: list[Callable[[], None]]) -> None:
+    for hook in list(hooks):
+        try:
+            hook()
+        except Exception as exc:  # keep going: a hook's failure is reported
+            warnings.warn(f"shardkit exit hook {hook!r} failed: {exc}", stacklevel=1)
+
+
+def _drain() -> None:
+    _run(_drains)
+
+
+# threading runs these exit callbacks in reverse order of registration, before it joins
+# non-daemon threads: registered after concurrent.futures' own, ours runs first
+threading._register_atexit(_drain)
+
+
+def own_default_group(group: object = None) -> None:
+    """Mark ``group`` (default: the default group about to be created) as shardkit's.
+
+    Held through a weak reference: a strong one would keep the group's threads alive
+    after a ``destroy_process_group()`` by the user, and a group the user creates later
+    stays theirs.
+    """
+    global _owned, _registered
+    _owned = weakref.ref(group) if group is not None else (lambda: dist.group.WORLD)
+    if not _registered:
+        _registered = True
+        previous = sys.excepthook
+
+        def excepthook(exc_type, exc, tb):
+            global _failed
+            _failed = True
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = excepthook
+        atexit.register(teardown)
+
+
+def owns_default_group() -> bool:
+    """Whether shardkit created the current default process group."""
+    if _owned is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    return _owned() is dist.group.WORLD
+
+
+def teardown() -> None:
+    """Release shardkit's group references, wait for every rank, destroy its groups."""
+    global _owned
+    if not owns_default_group():
+        _owned = None
+        return
+    _run(_hooks)
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("shardkit-")]
+    assert not alive, f"shardkit threads still running at teardown: {alive}"
+    if not _failed:
+        _final_barrier()
+    dist.destroy_process_group()
+    _owned = None
+
+
+def _final_barrier() -> None:
+    """A barrier whose ``Work`` is never freed, so no gloo thread frees it at finalization.
+
+    Every gloo ``Work`` enqueued from Python carries the caller's thread-local state, which
+    holds Python objects; the worker thread that ran it frees it just after waking the
+    caller, and that needs the GIL. Freed while the interpreter finalizes, it aborts the
+    process (``~AsyncBarrierWork`` -> ``~ThreadLocalState`` -> ``take_gil`` ->
+    ``pthread_exit``). Holding a Python reference from before the barrier is enqueued
+    means the worker never drops the last one. The barrier also holds every earlier work
+    of the group that was still in flight when it was enqueued (gloo frees a finished
+    work under the queue lock, before the next enqueue can look), so none of those is
+    freed on a worker thread after this returns either. One small object stays allocated
+    until the process ends.
+    """
+    work = dist.barrier(async_op=True)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+    work.wait()

@@ -1,0 +1,101 @@
+"""Shard a module's parameters in place from a plan of name patterns, keeping tied weights."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from ._mesh import Mesh
+from ._placement import Placement
+from ._sharded_tensor import ShardedTensor, mark_sharding
+from .layout import PartitionSpec
+
+__all__ = ["shard_module"]
+
+
+def _match(plan: Mapping[str, PartitionSpec], name: str) -> str | None:
+    for pattern in plan:
+        if fnmatchcase(name, pattern):
+            return pattern
+    return None
+
+
+def shard_module(
+    module: nn.Module,
+    mesh: Mesh,
+    plan: Mapping[str, PartitionSpec],
+    *,
+    strict: bool = True,
+) -> nn.Module:
+    """Replace every parameter of ``module`` by a sharded one, in place; returns ``module``.
+
+    ``plan`` maps parameter-name patterns (``fnmatch`` style, matched against the full
+    name, e.g. ``"*.q_proj.weight"`` or ``"layers.*.mlp.down_proj.weight"``) to partition
+    specs; the first pattern in the plan's order that matches wins. Parameters no pattern
+    matches are replicated over the mesh (they must be ShardedTensors too, so that their
+    gradients and optimizer steps take part in the sharded program).
+
+    A parameter shared by several modules (tied weights, such as GPT-2's ``lm_head`` and
+    ``wte``) is sharded once and the one sharded parameter is set on every owner, so the
+    tie holds. Its names must not match patterns with different specs.
+
+    With ``strict`` (the default) a pattern that matches no parameter is a ValueError
+    (a typo would otherwise silently leave a layer replicated). Build the optimizer after
+    this call: it must see the new parameters.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shard_module expects an nn.Module, got {type(module).__name__}")
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            f"plan must map parameter-name patterns to partition specs, got {type(plan).__name__}"
+        )
+    # every (owner, leaf) slot of every parameter, shared ones included
+    slots: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
+        for leaf, param in owner._parameters.items():
+            if param is None:
+                continue
+            name = f"{owner_name}.{leaf}" if owner_name else leaf
+            entries = slots.setdefault(id(param), [])
+            if all(o is not owner or lf != leaf for _, o, lf in entries):
+                entries.append((name, owner, leaf))
+            params[id(param)] = param
+    used: set[str] = set()
+    for key, entries in slots.items():
+        param = params[key]
+        chosen: dict[str, str] = {}
+        for name, _, _ in entries:
+            pattern = _match(plan, name)
+            if pattern is not None:
+                chosen[name] = pattern
+        specs = {Placement.from_user(mesh, plan[p], param.ndim).spec for p in set(chosen.values())}
+        if len(specs) > 1:
+            detail = ", ".join(f"{n!r} -> {p!r} {plan[p]}" for n, p in chosen.items())
+            raise ValueError(
+                f"the tied parameter named {[n for n, _, _ in entries]} matches plan patterns "
+                f"with different specs ({detail}); give its names one spec"
+            )
+        used.update(chosen.values())
+        spec = plan[next(iter(chosen.values()))] if chosen else (None,) * param.ndim
+        if isinstance(param, ShardedTensor):
+            want = Placement.from_user(mesh, spec, param.ndim)
+            if param.placement.spec != want.spec or param.mesh != mesh:
+                raise ValueError(
+                    f"parameter {entries[0][0]!r} is already sharded as {param.partition_spec}; "
+                    f"the plan asks for {spec}. Shard a module once"
+                )
+            continue
+        sharded = mark_sharding(param, mesh, spec)
+        for _, owner, leaf in entries:
+            setattr(owner, leaf, sharded)
+    unused = [p for p in plan if p not in used]
+    if strict and unused:
+        names = [n for entries in slots.values() for n, _, _ in entries]
+        raise ValueError(
+            f"plan patterns {unused} match no parameter of {type(module).__name__}; "
+            f"parameter names look like {names[:4]} (or pass strict=False)"
+        )
+    return module

@@ -1,0 +1,128 @@
+"""Rules for padding and advanced indexing: ``constant_pad_nd`` and ``index.Tensor``.
+
+Padding keeps every dim it does not pad sharded. Indexing with plain (replicated) index
+tensors keeps the indexed tensor's other dims sharded; a sharded indexed dim stays
+sharded when every rank's part of the result reads only rows it holds, which every rank
+checks for every rank from the index values it already has (so all agree without
+talking), as happens with Hugging Face's mask building (``mask[batch_idx, kv_idx]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._dispatch import Declined, register_rule
+from ._common import Placement, is_st, local_under, wrap
+
+aten = torch.ops.aten
+
+
+@register_rule(aten.constant_pad_nd.default)
+def _constant_pad(func, args, kwargs):
+    st, pad = args[0], list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    p = st._placement
+    padded = {st.ndim - 1 - i // 2 for i, n in enumerate(pad) if n}
+    spec = tuple(() if d in padded else axes for d, axes in enumerate(p.spec))
+    # padding an addend with zeros keeps the sum; any other value must be added once
+    partial = p.partial if value == 0 and all(op == "sum" for _, op in p.partial) else ()
+    req = Placement(p.mesh, spec, partial)
+    local = func(local_under(st, req), pad, value)
+    shape = list(st.shape)
+    for i in range(0, len(pad), 2):
+        d = st.ndim - 1 - i // 2
+        shape[d] += pad[i] + pad[i + 1]
+    return wrap(local, req, tuple(shape))
+
+
+def _index_layout(indices, ndim):
+    """(first indexed dim, number of indexed dims), or None when the indexed dims are not
+    one adjacent block (torch then moves the result dims to the front)."""
+    present = [i for i, t in enumerate(indices) if t is not None]
+    if not present or present != list(range(present[0], present[-1] + 1)):
+        return None
+    return present[0], len(present)
+
+
+@register_rule(aten.index.Tensor)
+def _index(func, args, kwargs):
+    st, indices = args[0], list(args[1])
+    if not is_st(st):
+        return Declined("only the indexed tensor may be sharded (a sharded index tensor)")
+    if any(is_st(t) and not t._placement.is_replicated() for t in indices if t is not None):
+        return Declined("sharded index tensors")
+    indices = [t._local_tensor if is_st(t) else t for t in indices]  # replicated: the whole tensor
+    layout = _index_layout(indices, st.ndim)
+    if layout is None:
+        return Declined("indexed dims that are not adjacent")
+    if any(t.dtype == torch.bool for t in indices if t is not None):
+        return Declined("boolean mask indices (data-dependent shape)")
+    start, count = layout
+    p = st._placement
+    mesh = p.mesh
+    index_shape = torch.broadcast_shapes(*[t.shape for t in indices if t is not None])
+    expanded = [t.expand(index_shape) if t is not None else None for t in indices]
+    out_shape = tuple(st.shape[:start]) + tuple(index_shape) + tuple(st.shape[start + count :])
+    nb = len(index_shape)
+    # the result's index dims: a sharded indexed dim j of ``st`` lends its axes to the first
+    # index dim along which the rows every rank needs stay inside the rows it holds
+    out_index_spec = [()] * nb
+    in_spec = list(p.spec)
+    for j in range(start, start + count):
+        axes = p.spec[j]
+        if not axes:
+            continue
+        chosen = None
+        for d in range(nb):
+            if out_index_spec[d] or any(a in out_index_spec[x] for x in range(nb) for a in axes):
+                continue
+            trial = list(out_index_spec)
+            trial[d] = axes
+            if _local_reads(st, expanded, j, start, d, trial, p, out_shape):
+                chosen = trial
+                break
+        if chosen is None:
+            in_spec[j] = ()  # gather this indexed dim
+        else:
+            out_index_spec = chosen
+    req = Placement(mesh, tuple(in_spec), p.partial if _sums(p) else ())
+    out_spec = tuple(in_spec[:start]) + tuple(out_index_spec) + tuple(in_spec[start + count :])
+    out = Placement(mesh, out_spec, req.partial)
+    local = local_under(st, req)
+    box = out.box(out_shape)
+    index_box = box.slices()[start : start + nb]
+    in_box = req.box(st.shape)
+    local_indices = []
+    for j, t in enumerate(expanded):
+        if t is None:
+            local_indices.append(None)
+            continue
+        piece = t[index_box]
+        if in_spec[j]:
+            piece = piece - in_box.offsets[j]
+        local_indices.append(piece)
+    return wrap(func(local, local_indices), out, out_shape)
+
+
+def _sums(p: Placement) -> bool:
+    return all(op == "sum" for _, op in p.partial)
+
+
+def _local_reads(st, expanded, j, start, d, trial_index_spec, p, out_shape) -> bool:
+    """Whether, with the result's index dim ``d`` sharded as in ``trial_index_spec``,
+    every rank reads along ``st``'s dim ``j`` only the rows it holds."""
+    mesh = p.mesh
+    nb = len(trial_index_spec)
+    out_spec = (
+        tuple(p.spec[:start]) + tuple(trial_index_spec) + ((),) * (len(out_shape) - start - nb)
+    )
+    out = Placement(mesh, out_spec)
+    for rank in range(mesh.size()):
+        coord = mesh.coord_of(rank)
+        sl = out.box(out_shape, coord).slices()[start : start + nb]
+        values = expanded[j][sl]
+        held = p.box(st.shape, coord)
+        lo, hi = held.offsets[j], held.offsets[j] + held.sizes[j]
+        if values.numel() and (int(values.min()) < lo or int(values.max()) >= hi):
+            return False
+    return True

@@ -1,0 +1,60 @@
+"""The world the environment describes: never silently a world of one."""
+
+import pytest
+
+from shardkit.runtime import _rendezvous
+from shardkit.runtime._runtime import env_world
+
+DIST = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID")
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for name in DIST:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_no_environment_is_a_world_of_one(env):
+    assert env_world() is None
+    env.setenv("WORLD_SIZE", "1")
+    assert env_world() is None
+
+
+def test_torchrun_environment(env):
+    for k, v in dict(WORLD_SIZE="3", RANK="2", MASTER_ADDR="h", MASTER_PORT="1").items():
+        env.setenv(k, v)
+    assert env_world() == (2, 3)
+
+
+def test_slurm_environment(env):
+    for k, v in dict(SLURM_NTASKS="4", SLURM_PROCID="1", MASTER_ADDR="h", MASTER_PORT="1").items():
+        env.setenv(k, v)
+    assert env_world() == (1, 4)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (dict(WORLD_SIZE="2"), "RANK is not"),
+        (dict(WORLD_SIZE="2", RANK="0"), "MASTER_ADDR is not"),
+        (dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="h"), "MASTER_PORT is not"),
+        (dict(WORLD_SIZE="2", RANK="2", MASTER_ADDR="h", MASTER_PORT="1"), "RANK=2 is outside"),
+        (dict(WORLD_SIZE="two"), "WORLD_SIZE='two' is not an integer"),
+    ],
+)
+def test_incomplete_description_raises_naming_the_variable(env, values, message):
+    for k, v in values.items():
+        env.setenv(k, v)
+    with pytest.raises(ValueError, match=message):
+        env_world()
+
+
+def test_xla_rendezvous_is_registered_and_resolves_a_world_of_one(env):
+    import torch.distributed as dist
+
+    store, rank, size = next(dist.rendezvous("xla://"))
+    assert (rank, size) == (0, 1)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    assert _rendezvous.SCHEME == "xla"
