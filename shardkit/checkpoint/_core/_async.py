@@ -1,9 +1,13 @@
-"""async_save(): block only to stage this rank's share into reused CPU buffers.
+"""async_save(): return at once; stage, write and commit on a background thread.
 
-Planning and staging run in the caller's thread; writing, the all-ranks agreement and
+By default (zero-stall, see ``_zero_stall``) the call only flattens the state, records
+which tensors an optimizer owns and clones the others (buffers: small); planning,
+staging this rank's share into a reused CPU buffer, writing, the all-ranks agreement and
 the commit run on a background thread over a private gloo group, so they never
-interleave with the training loop's collectives. At most one save is in flight per
-process: a second call first waits for the previous one to finish.
+interleave with the training loop's collectives; optimizer steps wait for staging. With
+``zero_stall=False``, or when no tensor belongs to a known optimizer, planning and
+staging run in the call. At most one save is in flight per process: a second call first
+waits for the previous one to finish.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from ... import runtime
 from ._comm import Comm
 from ._copy import copy_into
+from ._flatten import Flat, flatten
 from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
 from ._save import (
@@ -33,6 +38,7 @@ from ._save import (
 )
 from ._storage import StorageWriter
 from ._torch_args import check_async_args
+from ._zero_stall import STAGING_THREAD, STATS, Snapshot, Staging, protect
 
 __all__ = ["async_save"]
 
@@ -76,7 +82,8 @@ def _private_group(process_group: Any) -> Any:
     return _groups[ranks]
 
 
-def _stage(job: SaveJob) -> dict[tuple[str, tuple], torch.Tensor]:
+def _stage(job: SaveJob, snapshot: Snapshot | None) -> dict[tuple[str, tuple], torch.Tensor]:
+    """Copy this rank's items into the reused buffer; check each protected source after."""
     items: list[WriteItem] = [i for _, items in job.files for i in items]
     offsets, total = [], 0
     for item in items:
@@ -84,20 +91,37 @@ def _stage(job: SaveJob) -> dict[tuple[str, tuple], torch.Tensor]:
         total += -(-item.nbytes // _ALIGN) * _ALIGN
     buf = _pool.take(total)
     staged = {}
-    cuda = False
+    cuda = []
     with torch.no_grad():
         for item, off in zip(items, offsets):
             src = job.planner.resolve_data(item)
             dst = buf[off : off + item.nbytes].view(item.dtype).reshape(item.box.sizes)
             if src.device.type == "cuda":
-                cuda = True
+                cuda.append(item.key)
                 dst.copy_(src, non_blocking=True)
             else:
                 copy_into(dst, src)
+                if snapshot is not None:
+                    snapshot.check(item.key)
             staged[(item.key, item.box.offsets)] = dst
     if cuda:
         torch.cuda.synchronize()
+        if snapshot is not None:
+            for key in cuda:
+                snapshot.check(key)
     return staged
+
+
+def _flat_fn(flat: Flat | None, error: BaseException | None):
+    """``prepare``'s source of the flattened state (raising inside its agreement)."""
+
+    def get() -> Flat:
+        if error is not None:
+            raise error
+        assert flat is not None
+        return flat
+
+    return get
 
 
 def async_save(
@@ -112,19 +136,30 @@ def async_save(
     async_stager: Any = None,
     no_dist: bool = False,
     use_collectives: bool = True,
+    zero_stall: bool = True,
 ) -> Future:
-    """Like :func:`save`, but return once this rank's share is staged in CPU memory.
+    """Like :func:`save`, but return at once and save in the background.
 
-    The caller may change its tensors as soon as this returns. The first call creates a
-    private gloo group (collectively); a call made while a previous save is still in
-    flight waits for it first, so at most one staging copy exists per rank.
+    The checkpoint holds the state as it was at the call, bit for bit. With
+    ``zero_stall=True`` (the default), tensors that an optimizer owns (its parameters and
+    state) are copied on the background thread while training continues; the next
+    ``optimizer.step()`` of any optimizer waits until they are copied. Every other tensor
+    is cloned before the call returns. Changing an optimizer's tensors in place outside
+    ``optimizer.step()`` before they are copied is detected (through the tensors' version
+    counters) and fails the save: ``result()`` raises :class:`CheckpointError`, nothing
+    is committed. Optimizers are known once they have stepped or when they are in
+    ``state_dict``. ``zero_stall=False`` copies this rank's share before returning.
+
+    The first call creates a private gloo group (collectively); a call made while a
+    previous save is still in flight waits for it first, so at most one staging copy
+    exists per rank.
 
     ``incremental_base`` works as in :func:`save` (the comparison with the base runs in
     the background, on the staged copy).
 
     ``no_dist`` and ``use_collectives`` are as in :func:`save`; torch's
-    ``async_checkpointer_type`` and ``async_stager`` are accepted (shardkit stages on the
-    calling thread and writes on one background thread; other choices warn once).
+    ``async_checkpointer_type`` and ``async_stager`` are accepted (shardkit stages and
+    writes on one background thread of this process; other choices warn once).
 
     Returns:
         A Future whose result is the committed :class:`Metadata`; any error (on any
@@ -134,6 +169,8 @@ def async_save(
     planner = planner if planner is not None else DefaultSavePlanner()
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
+    if not isinstance(zero_stall, bool):
+        raise TypeError(f"zero_stall must be True or False, got {zero_stall!r}")
     base = base_reader(writer, incremental_base)
     wait_for_inflight()
     runtime.init()  # join the world the environment describes (torchrun, SLURM)
@@ -142,12 +179,34 @@ def async_save(
     try:
         local = check_async_args(async_checkpointer_type, async_stager, no_dist, use_collectives)
         comm = Comm(None, local=True) if local else Comm(_private_group(process_group))
-        job = prepare(state_dict, planner, comm, writer.thread_count, max_file_bytes(writer))
-        job.base = base
-        staged = _stage(job)
     except BaseException as exc:
         future.set_exception(exc)
         return future
+    flat, error, snapshot = None, None, None
+    try:
+        flat = flatten(state_dict, for_save=True)
+        snapshot = protect(flat) if zero_stall else None
+    except Exception as exc:  # reported inside prepare's agreement, so no rank hangs
+        error = exc
+    job, staged, staging = None, None, None
+    if snapshot is None:  # blocking path: plan and stage in the call
+        STATS.blocking_saves += 1
+        try:
+            cap = max_file_bytes(writer)
+            job = prepare(
+                state_dict, planner, comm, writer.thread_count, cap, flat_fn=_flat_fn(flat, error)
+            )
+            job.base = base
+            staged = _stage(job, None)
+        except BaseException as exc:
+            if job is None:  # planning failed on some rank: every rank knows
+                future.set_exception(exc)
+                return future
+            error = exc  # staging failed here: the staging agreement tells the others
+    else:
+        STATS.staged_saves += 1
+        staging = Staging()
+        staging.start()
 
     released = threading.Event()
 
@@ -156,7 +215,24 @@ def async_save(
         # at once would hold the GIL for a whole switch interval (5 ms) before the caller
         # could return from start().
         released.wait()
+        nonlocal job, staged, error
         try:
+            if staging is not None:
+                try:
+                    cap = max_file_bytes(writer)
+                    job = prepare(
+                        state_dict, planner, comm, writer.thread_count, cap,
+                        flat_fn=_flat_fn(flat, None),
+                    )  # fmt: skip
+                    job.base = base
+                    staged = _stage(job, snapshot)
+                except BaseException as exc:
+                    if job is None:  # planning failed: its agreement told every rank
+                        raise
+                    error = exc  # staging failed here: the agreement below tells the others
+                finally:
+                    staging.finish()
+            comm.agree(error, "staging the checkpoint")
             md: Metadata = write_and_commit(
                 job, writer, comm, lambda item: staged[(item.key, item.box.offsets)]
             )
@@ -166,6 +242,6 @@ def async_save(
             future.set_result(md)
 
     set_inflight(future)
-    threading.Thread(target=run, name="shardkit-async-save", daemon=False).start()
+    threading.Thread(target=run, name=STAGING_THREAD, daemon=False).start()
     released.set()
     return future

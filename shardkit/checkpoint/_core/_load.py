@@ -20,6 +20,7 @@ from ._planner import DefaultLoadPlanner, LoadPlanner, ReadItem
 from ._read_chunks import LocalFiles, chunk_label, read_items
 from ._storage import FileSystemReader, StorageReader
 from ._validate import check_files, where
+from ._zero_stall import wait_for_staging
 
 __all__ = ["load", "read_metadata", "is_committed"]
 
@@ -195,6 +196,7 @@ def load_with_metadata(
     planner = planner if planner is not None else DefaultLoadPlanner()
     if not isinstance(planner, LoadPlanner):
         raise TypeError(f"planner must be a LoadPlanner, got {type(planner).__name__}")
+    wait_for_staging()  # an async save may still be copying the tensors loaded into
     flat = flatten(state_dict, for_save=False, saved_parents=metadata.key_parents)
     planner.set_up_planner(flat, metadata, strict=None if strict is None else bool(strict))
     plan = planner.create_local_plan()

@@ -277,8 +277,10 @@ def prepare(
     comm: Comm,
     thread_count: int,
     file_cap: int | None = None,
+    *,
+    flat_fn: Callable[[], Flat] | None = None,
 ) -> SaveJob:
-    """Flatten, plan locally, exchange plans and plan globally (collective).
+    """Flatten (or call ``flat_fn``), plan locally, exchange plans, plan globally (collective).
 
     The same exchange carries a checksum of every tensor a rank holds whole, so copies
     of a replicated tensor that differ between ranks are found (and saved from one rank
@@ -286,7 +288,7 @@ def prepare(
     """
     error, payload, flat = None, None, None
     try:
-        flat = flatten(state_dict, for_save=True)
+        flat = flat_fn() if flat_fn is not None else flatten(state_dict, for_save=True)
         _refuse_pickle(flat, planner)
         planner.set_up_planner(flat, rank=comm.rank, world_size=comm.world_size)
         payload = {"plan": planner.create_local_plan().to_json()}

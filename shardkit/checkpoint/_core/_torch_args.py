@@ -45,12 +45,12 @@ def check_async_args(checkpointer_type: Any, stager: Any, no_dist: bool, collect
     if kind not in (None, "thread"):
         warn_once(
             f"async_save(async_checkpointer_type={checkpointer_type!r}): shardkit always "
-            "stages on the calling thread and writes on one background thread of this process"
+            "stages and writes on one background thread of this process"
         )
     if stager is not None:
         warn_once(
-            "async_save(async_stager=...) is ignored: shardkit stages into CPU copies "
-            "itself before returning"
+            "async_save(async_stager=...) is ignored: shardkit stages into CPU copies itself "
+            "(see async_save(zero_stall=...))"
         )
     return check_no_dist(no_dist, collectives)
 

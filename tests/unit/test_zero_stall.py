@@ -1,0 +1,219 @@
+"""Zero-stall async_save in one process: the checkpoint holds the state at the call, bit for
+bit, while training steps on at once; steps wait for staging; changes made outside
+optimizer.step() before staging are refused; buffers and JSON values are taken at the call."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import shardkit.checkpoint as dcp
+from shardkit.checkpoint._core import _async, _zero_stall
+from shardkit.checkpoint._core._zero_stall import STATS
+
+
+def _model(seed=0, width=256):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, width), nn.BatchNorm1d(width), nn.Tanh(), nn.Linear(width, width),
+        nn.Tanh(), nn.Linear(width, 4),
+    )  # fmt: skip
+
+
+def _step(model, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    model(torch.randn(32, 16, generator=g)).square().mean().backward()
+    opt.step()
+
+
+def _state(model, opt):
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "meta": {"seen": [1, 2]}}
+
+
+def _snapshot(sd):
+    """A deep copy of a state dict: tensors cloned."""
+    if isinstance(sd, torch.Tensor):
+        return sd.detach().clone()
+    if isinstance(sd, dict):
+        return {k: _snapshot(v) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(_snapshot(v) for v in sd)
+    return sd
+
+
+def _blank(sd):
+    """The same structure with tensors to load into (filled with a sentinel)."""
+    if isinstance(sd, torch.Tensor):
+        return torch.full_like(sd, 7) if sd.dtype != torch.bool else torch.zeros_like(sd)
+    if isinstance(sd, dict):
+        return {k: _blank(v) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(_blank(v) for v in sd)
+    return sd
+
+
+def _bits(t):
+    """Compare floats bit for bit (NaN payloads and -0.0 included)."""
+    return t.reshape(-1).view(torch.uint8) if t.dtype.is_floating_point else t
+
+
+def _assert_same(a, b, path="sd"):
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(_bits(a), _bits(b)), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def _load(path, like):
+    target = _blank(like)
+    dcp.load(target, checkpoint_id=path)
+    return target
+
+
+class _Gate:
+    """Makes the background staging copy wait until ``open()`` (patches its copy call)."""
+
+    def __init__(self, monkeypatch):
+        self.event = threading.Event()
+        real = _async.copy_into
+
+        def gated(dst, src):
+            self.event.wait()
+            real(dst, src)
+
+        monkeypatch.setattr(_async, "copy_into", gated)
+
+    def open(self):
+        self.event.set()
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    g = _Gate(monkeypatch)
+    yield g
+    g.open()  # a failed test must not leave the save thread waiting forever
+
+
+def test_immediate_large_steps_do_not_leak_into_the_checkpoint(tmp_path):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=10.0)  # every step changes every byte
+    _step(model, opt, 0)  # the optimizer is known once it has stepped
+    staged_before = STATS.staged_saves
+    for i in range(3):
+        expected = _snapshot(_state(model, opt))
+        fut = dcp.async_save(_state(model, opt), checkpoint_id=tmp_path / f"s{i}")
+        opt.step()  # at once (the last gradients are still there), long before staging ends
+        for k in range(2):  # and on, with large updates
+            _step(model, opt, 10 * i + k + 1)
+        fut.result(timeout=60)
+        _assert_same(_load(tmp_path / f"s{i}", expected), expected)
+        now = _state(model, opt)["model"]["0.weight"]
+        assert not torch.equal(now, expected["model"]["0.weight"])  # training moved on
+    assert STATS.staged_saves == staged_before + 3  # every save took the zero-stall path
+
+
+def test_a_step_waits_until_its_tensors_are_staged(tmp_path, gate):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    _step(model, opt, 0)
+    expected = _snapshot(_state(model, opt))
+    fut = dcp.async_save(_state(model, opt), checkpoint_id=tmp_path)
+    _step_thread = threading.Thread(target=_step, args=(model, opt, 1))
+    waited = STATS.steps_waited
+    _step_thread.start()
+    with _zero_stall._lock:  # the step reached its pre-hook and waits there
+        assert _zero_stall._lock.wait_for(lambda: STATS.waiting == 1, timeout=30)
+    for name, p in model.named_parameters():  # not stepped yet (forward did run: BatchNorm)
+        _assert_same(p.detach(), expected["model"][name], name)
+    gate.open()
+    _step_thread.join(timeout=60)
+    assert not _step_thread.is_alive() and STATS.steps_waited == waited + 1
+    fut.result(timeout=60)
+    _assert_same(_load(tmp_path, expected), expected)
+    assert not torch.equal(model.state_dict()["3.weight"], expected["model"]["3.weight"])
+
+
+def test_in_place_change_outside_step_before_staging_is_refused(tmp_path, gate):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0)
+    previous = _snapshot(_state(model, opt))
+    dcp.save(_state(model, opt), checkpoint_id=tmp_path)
+    fut = dcp.async_save(_state(model, opt), checkpoint_id=tmp_path)
+    with torch.no_grad():
+        model[3].weight.mul_(2.0)  # a user's edit, not an optimizer step
+    gate.open()
+    with pytest.raises(dcp.CheckpointError, match=r"'model\.3\.weight'.*zero_stall=False"):
+        fut.result(timeout=60)
+    _assert_same(_load(tmp_path, previous), previous)  # the previous checkpoint is intact
+    _step(model, opt, 1)  # steps do not hang after a failed save
+
+
+def test_opt_out_stages_in_the_call(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0)
+    expected = _snapshot(_state(model, opt))
+    blocking = STATS.blocking_saves
+    fut = dcp.async_save(_state(model, opt), checkpoint_id=tmp_path, zero_stall=False)
+    with torch.no_grad():
+        model[3].weight.mul_(2.0)  # allowed: everything was copied before the call returned
+    fut.result(timeout=60)
+    assert STATS.blocking_saves == blocking + 1
+    _assert_same(_load(tmp_path, expected), expected)
+    with pytest.raises(TypeError, match="zero_stall"):
+        dcp.async_save({}, checkpoint_id=tmp_path, zero_stall="yes")
+
+
+def test_buffers_and_values_are_taken_at_the_call(tmp_path, gate):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0)
+    state = _state(model, opt)
+    expected = _snapshot(state)
+    fut = dcp.async_save(state, checkpoint_id=tmp_path)
+    with torch.no_grad():
+        model(torch.randn(32, 16))  # BatchNorm updates its running stats in place
+    state["meta"]["seen"].append(3)
+    assert not torch.equal(model[1].running_mean, expected["model"]["1.running_mean"])
+    gate.open()
+    fut.result(timeout=60)
+    _assert_same(_load(tmp_path, expected), expected)
+
+
+def test_planning_error_releases_waiting_steps(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0)
+    fut = dcp.async_save({"model": model.state_dict(), "bad": object()}, checkpoint_id=tmp_path)
+    _step(model, opt, 1)  # must not hang on the failed save
+    with pytest.raises(TypeError, match="'bad'"):
+        fut.result(timeout=60)
+    assert not dcp.is_committed(tmp_path)
+
+
+def test_load_into_the_staged_tensors_waits_for_staging(tmp_path):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1.0)
+    _step(model, opt, 0)
+    old = _snapshot(_state(model, opt))
+    dcp.save(_state(model, opt), checkpoint_id=tmp_path / "old")
+    _step(model, opt, 1)
+    expected = _snapshot(_state(model, opt))
+    fut = dcp.async_save(_state(model, opt), checkpoint_id=tmp_path / "new")
+    live = _state(model, opt)
+    dcp.load(live, checkpoint_id=tmp_path / "old")  # writes into the tensors being staged
+    fut.result(timeout=60)  # not refused: the load waited for staging
+    _assert_same(_load(tmp_path / "new", expected), expected)
+    _assert_same(_snapshot(model.state_dict()), old["model"])
