@@ -63,7 +63,9 @@ import shardkit.runtime as xr
 dist.init_process_group("gloo", init_method="xla://")
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
-print(f"RESULT {{\\"rank\\": {dist.get_rank()}, \\"world\\": {dist.get_world_size()}, \\"sum\\": {t.item()}}}")
+import sys
+sys.stdout.write(f"RESULT {{\\"rank\\": {dist.get_rank()}, \\"world\\": {dist.get_world_size()}, \\"sum\\": {t.item()}}}\\n")
+sys.stdout.flush()
 """
 
 

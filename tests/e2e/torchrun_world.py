@@ -43,4 +43,7 @@ result = dict(
     own=own,
     saved_world=md.world_size,
 )
-print("RESULT " + json.dumps(result), flush=True)
+# One write per line: print() writes the text and the newline separately when unbuffered,
+# so another rank's line could land between them on the shared pipe.
+sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+sys.stdout.flush()
