@@ -262,14 +262,26 @@ class LocalStore:
         except OSError as exc:
             log.warning("local checkpoint tier: could not remove %s: %s", path, exc)
 
+    def _ours(self, path: str) -> bool:
+        """Whether a copy belongs to this run (or is torn: no readable manifest)."""
+        m = self.read_manifest(path)
+        return m is None or m.get("path") == self.url
+
     def retain(self, kind: str, src: int, keep: int) -> None:
-        """Keep the ``keep`` newest steps of ``src`` (and no stale temporary copies)."""
+        """Keep the ``keep`` newest steps of ``src`` (and no stale temporary copies).
+
+        Copies of another run sharing the directory are left alone.
+        """
         d = self.kind_dir(kind, src)
         try:
             names = os.listdir(d)
         except OSError:
             return
-        steps = sorted((int(m.group(1)), n) for n in names if (m := _STEP.match(n)))
+        steps = sorted(
+            (int(m.group(1)), n)
+            for n in names
+            if (m := _STEP.match(n)) and self._ours(os.path.join(d, n))
+        )
         for _, name in steps[:-keep] if keep else steps:
             self._remove(os.path.join(d, name))
         for name in names:  # only this rank writes here: a leftover temporary is stale
@@ -277,7 +289,20 @@ class LocalStore:
                 self._remove(os.path.join(d, name))
 
     def remove(self, kind: str, src: int) -> None:
-        self._remove(self.kind_dir(kind, src))
+        """Remove this run's copies of ``src`` (and the directory once empty)."""
+        d = self.kind_dir(kind, src)
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(d, name)
+            if ".tmp-" in name or (_STEP.match(name) and self._ours(path)):
+                self._remove(path)
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
     def remove_step(self, kind: str, src: int, step: int) -> None:
         self._remove(self.copy_path(kind, src, step))

@@ -137,8 +137,9 @@ class TierEngine:
             return False
         _, flat, layout, nbytes = pending
         self._check_bound(step, hi)
-        self._wait_job()  # the staging buffer is reused: the previous write must be done
-        self._raise_errors()
+        # The staging buffer is reused: the previous write must be done. Its failure, if
+        # any, is raised at the next call, after the ranks agreed on it (so all raise).
+        self._wait_job()
         state = localized(flat, self._stage(flat))
         self.last_step = step
         self._job = self._pool.submit(self._background, step, state, layout, hi)
@@ -328,7 +329,7 @@ class TierEngine:
             if src is None:
                 continue
             for s in self.store.steps(kind, src):
-                if s > step:
+                if s > step and self.store._ours(self.store.copy_path(kind, src, s)):
                     self.store.remove_step(kind, src, s)
 
     def _transfer_and_load(self, step, plan, flat: Flat, state_dict: dict, fp: str) -> str | None:
