@@ -264,3 +264,72 @@ def test_max_bytes_names_sizes_and_option(tmp_path):
         assert mgr.save(1, {"x": torch.ones(10)})  # 3 x 40 bytes fit
         with pytest.raises(ValueError, match=r"needs up to 1200 bytes.*max_bytes=1000"):
             mgr.save(2, {"x": torch.ones(100)})
+
+
+# -- zero-stall staging --------------------------------------------------------------------
+
+
+def _trained():
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()  # the optimizer is known: its tensors are staged in the background
+    return model, optim
+
+
+def _hold(mgr):
+    """Keep the tier's background thread busy until the returned event is set."""
+    import threading
+
+    release, started = threading.Event(), threading.Event()
+    mgr._tiers._pool.submit(lambda: (started.set(), release.wait()))
+    started.wait()
+    return release
+
+
+def test_zero_stall_optimizer_step_waits_for_the_staging_copy(tmp_path):
+    import threading
+    import time
+
+    from shardkit.checkpoint._core._zero_stall import STATS
+
+    model, optim = _trained()
+    with CheckpointManager(
+        str(tmp_path / "p"), 100, chkpt_on_preemption=False,
+        local_tier=LocalTier(directory=tmp_path / "ram"),
+    ) as mgr:  # fmt: skip
+        expect = {k: v.clone() for k, v in model.state_dict().items()}
+        release = _hold(mgr)
+        assert mgr.save_async(1, {"model": model.state_dict()})  # returns before copying
+        waiting = STATS.waiting
+        stepper = threading.Thread(target=optim.step)
+        stepper.start()
+        deadline = time.monotonic() + 30
+        while STATS.waiting == waiting and time.monotonic() < deadline:
+            time.sleep(0.001)  # polling a counter, not synchronizing on time
+        assert STATS.waiting == waiting + 1 and stepper.is_alive()  # step waits for staging
+        release.set()
+        stepper.join()
+        mgr.join()
+        assert not torch.equal(model.weight, expect["weight"])  # the step did run after
+        target = {"model": torch.nn.Linear(4, 3).state_dict()}
+        mgr.restore(1, target)
+        assert all(torch.equal(target["model"][k], v) for k, v in expect.items())
+
+
+def test_zero_stall_change_outside_step_fails_the_save(tmp_path):
+    from shardkit.checkpoint import CheckpointError
+
+    model, _ = _trained()
+    with pytest.raises(CheckpointError, match="changed in place"):
+        with CheckpointManager(
+            str(tmp_path / "p"), 100, chkpt_on_preemption=False,
+            local_tier=LocalTier(directory=tmp_path / "ram"),
+        ) as mgr:  # fmt: skip
+            release = _hold(mgr)
+            mgr.save_async(1, {"model": model.state_dict()})
+            with torch.no_grad():
+                model.weight.add_(1.0)  # not through optimizer.step(): detected
+            release.set()
+            mgr.save_async(2, {"model": model.state_dict()})  # raises step 1's failure
+    assert not (tmp_path / "ram" / "local" / "rank_00000" / "step_00000001").exists()

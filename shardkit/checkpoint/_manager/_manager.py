@@ -389,6 +389,8 @@ class CheckpointManager:
         )
         previous, self._last_step = self._last_step, step
         base = self._pin_base() if self.incremental else None
+        if tiers is not None:  # the core stages one save at a time per process
+            tiers.wait_staging()
         try:
             future = None if blocking else io.save_step_async(self, step, state_dict, base)
             if blocking:

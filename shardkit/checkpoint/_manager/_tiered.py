@@ -10,6 +10,7 @@ each rank's source; see docs/checkpoint-manager.md, "Tiers and recovery".
 
 from __future__ import annotations
 
+import copy
 import datetime
 import logging
 import os
@@ -25,6 +26,7 @@ from .._core._comm import Comm
 from .._core._copy import copy_into
 from .._core._errors import CheckpointError
 from .._core._flatten import Flat, flatten
+from .._core._zero_stall import Snapshot, Staging, protect, wait_for_staging
 from ._local import LocalStore, localized, shard_layout
 from ._peer import exchange
 from ._tiers import (
@@ -140,10 +142,24 @@ class TierEngine:
         # The staging buffer is reused: the previous write must be done. Its failure, if
         # any, is raised at the next call, after the ranks agreed on it (so all raise).
         self._wait_job()
-        state = localized(flat, self._stage(flat))
+        wait_for_staging()  # one staging at a time per process (an async save's, or ours)
+        snapshot = protect(flat)  # zero-stall: clones what no optimizer owns, now
+        tensors, staging = None, None
+        if snapshot is None:  # nothing an optimizer owns: copy it all in the call
+            flat.values = copy.deepcopy(flat.values)
+            tensors = self._stage(flat, None)
+        else:  # optimizer steps wait until the background thread has copied it
+            staging = Staging()
+            staging.start()
         self.last_step = step
-        self._job = self._pool.submit(self._background, step, state, layout, hi)
+        self._job = self._pool.submit(
+            self._background, step, flat, tensors, snapshot, staging, layout, hi
+        )
         return True
+
+    def wait_staging(self) -> None:
+        """Wait until this rank's pieces are staged (before another save stages)."""
+        wait_for_staging()
 
     def _check_bound(self, step: int, hi: int) -> None:
         cap = self.options.max_bytes
@@ -162,9 +178,10 @@ class TierEngine:
                 "peer=False"
             )
 
-    def _stage(self, flat: Flat) -> dict[str, torch.Tensor]:
-        """Copy this rank's pieces into the reused CPU staging buffers."""
-        out = {}
+    def _stage(self, flat: Flat, snapshot: Snapshot | None) -> dict[str, torch.Tensor]:
+        """Copy this rank's pieces into the reused CPU staging buffers; with a
+        ``snapshot``, check after each copy that nothing changed it since the call."""
+        out, cuda = {}, []
         with torch.no_grad():
             for key, leaf in flat.tensors.items():
                 src = leaf.local
@@ -174,19 +191,31 @@ class TierEngine:
                     self._staged[key] = buf
                 if src.device.type == "cpu":
                     copy_into(buf, src)
+                    if snapshot is not None:
+                        snapshot.check(key)
                 else:
                     buf.copy_(src)
+                    cuda.append(key)
                 out[key] = buf
+        if cuda and snapshot is not None:
+            torch.cuda.synchronize()
+            for key in cuda:
+                snapshot.check(key)
         for key in [k for k in self._staged if k not in flat.tensors]:
             del self._staged[key]
         self._track()
         return out
 
-    def _background(self, step: int, state: dict, layout: dict, hi: int) -> None:
+    def _background(self, step, flat, tensors, snapshot, staging, layout, hi) -> None:
         path, error = None, None
         try:
+            if staging is not None:
+                try:
+                    tensors = self._stage(flat, snapshot)
+                finally:
+                    staging.finish()
             self._drop_newer(step - 1)
-            path = self.store.write_own(step, state, layout)
+            path = self.store.write_own(step, localized(flat, tensors), layout)
             self.store.retain("local", self.rank, self.options.max_to_keep)
         except BaseException as exc:
             error = exc
