@@ -31,14 +31,15 @@ from ._refs import referenced_files
 from ._retention import AnyPreservationPolicy as _Any
 from ._retention import LatestN, PreservationPolicy, steps_to_delete
 from ._storage import StepStore
-from ._tiers import LocalTier, RestoreInfo
+from ._tiered import TierEngine, TierMethods
+from ._tiers import LocalTier
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager:
+class CheckpointManager(TierMethods):
     """Saves a checkpoint every ``save_interval`` steps under ``path`` and prunes old ones.
 
     Args:
@@ -140,11 +141,7 @@ class CheckpointManager:
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self._lease = Lease(self._store.fs, self._store.root, ttl=float(lease_ttl))
         self._init_groups(process_group, async_process_group)
-        self._tiers = None
-        if local_tier is not None:
-            from ._tiered import TierEngine
-
-            self._tiers = TierEngine(self, local_tier)
+        self._tiers = None if local_tier is None else TierEngine(self, local_tier)
         self._watcher = PreemptionWatcher(preemption_signal) if chkpt_on_preemption else None
         if self._watcher is not None:  # a manager dropped without close() gives SIGTERM back
             weakref.finalize(self, self._watcher.close)
@@ -560,17 +557,6 @@ class CheckpointManager:
 
         io.load_step(self, step, state_dict)
         return state_dict
-
-    @property
-    def last_restore(self) -> RestoreInfo | None:
-        """Where the last :meth:`restore` read from (with a local tier), else None."""
-        return None if self._tiers is None else self._tiers.last_restore
-
-    def tier_memory(self) -> dict[str, int]:
-        """Bytes this rank holds in the local tier: ``local``, ``replica``, ``staging``, ``peak``."""
-        if self._tiers is None:
-            return {"local": 0, "replica": 0, "staging": 0, "peak": 0}
-        return self._tiers.memory()
 
     # -- lifecycle ------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -44,7 +44,7 @@ from ._tiers import (
 if TYPE_CHECKING:
     from ._manager import CheckpointManager
 
-__all__ = ["TierEngine"]
+__all__ = ["TierEngine", "TierMethods"]
 
 log = logging.getLogger(__name__)
 
@@ -420,3 +420,20 @@ class TierEngine:
                     self.store.remove("replica", self.source)
                 self.store.prune_empty(parent=self._default_dir)
         self._raise_errors()
+
+
+class TierMethods:
+    """The tier queries of :class:`CheckpointManager` (kept here to keep it short)."""
+
+    _tiers: TierEngine | None
+
+    @property
+    def last_restore(self) -> RestoreInfo | None:
+        """Where the last :meth:`restore` read from (with a local tier), else None."""
+        return None if self._tiers is None else self._tiers.last_restore
+
+    def tier_memory(self) -> dict[str, int]:
+        """Bytes this rank holds in the local tier: ``local``, ``replica``, ``staging``, ``peak``."""
+        if self._tiers is None:
+            return {"local": 0, "replica": 0, "staging": 0, "peak": 0}
+        return self._tiers.memory()
