@@ -68,6 +68,11 @@ class TierEngine:
             raise TypeError(
                 f"local_tier must be a LocalTier(...) or None, got {type(options).__name__}"
             )
+        if mgr.read_only:
+            raise ValueError(
+                f"CheckpointManager({mgr.path!r}, read_only=True) cannot keep a local tier "
+                "(it saves copies); pass local_tier=None to read, or read_only=False"
+            )
         self.mgr = mgr
         self.options = options
         self.world = len(mgr._ranks)
