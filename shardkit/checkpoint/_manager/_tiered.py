@@ -340,7 +340,13 @@ class TierEngine:
                 self.last_restore = RestoreInfo(
                     step, tiers[self.rank], tiers, time.perf_counter() - start
                 )
-                if self.rank == 0:
+                fell_back = [r for r, t in enumerate(tiers) if t == "persistent"]
+                if self.rank == 0 and fell_back:
+                    log.warning(
+                        "restored step %d; rank(s) %s read the persistent tier (no usable RAM "
+                        "copy); tier by rank: %s", step, fell_back, tiers,
+                    )  # fmt: skip
+                elif self.rank == 0:
                     log.info("restored step %d; tier by rank: %s", step, tiers)
                 self.last_step = step
                 self._drop_newer(step)
