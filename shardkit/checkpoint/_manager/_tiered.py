@@ -193,7 +193,8 @@ class TierEngine:
                 buf = self._staged.get(key)
                 if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                     buf = torch.empty(src.shape, dtype=src.dtype)
-                    self._staged[key] = buf
+                    with self._lock:  # tier_memory() reads it from the training thread
+                        self._staged[key] = buf
                 if src.device.type == "cpu":
                     copy_into(buf, src)
                     if snapshot is not None:
@@ -206,8 +207,9 @@ class TierEngine:
             torch.cuda.synchronize()
             for key in cuda:
                 snapshot.check(key)
-        for key in [k for k in self._staged if k not in flat.tensors]:
-            del self._staged[key]
+        with self._lock:
+            for key in [k for k in self._staged if k not in flat.tensors]:
+                del self._staged[key]
         self._track()
         return out
 
@@ -253,7 +255,8 @@ class TierEngine:
     def memory(self) -> dict[str, int]:
         local = self.store.bytes_of("local", self.rank)
         replica = self.store.bytes_of("replica", self.source)
-        staging = sum(t.numel() * t.element_size() for t in self._staged.values())
+        with self._lock:
+            staging = sum(t.numel() * t.element_size() for t in self._staged.values())
         peak = max(self._peak, local + replica + staging)
         return {"local": local, "replica": replica, "staging": staging, "peak": peak}
 
