@@ -246,16 +246,23 @@ def test_exception_keeps_the_tier_and_foreign_run_ignores_it(tmp_path):
 
 
 def test_default_directory_in_dev_shm(tmp_path):
+    import shutil
+
     url = str(tmp_path / "p")
-    with CheckpointManager(url, 10, chkpt_on_preemption=False, local_tier=LocalTier()) as mgr:
-        d = default_directory(mgr.path)
-        mgr.save(1, {"x": torch.ones(2)})
-        mgr.join()
-        assert os.path.isdir(os.path.join(d, "local", "rank_00000", "step_00000001"))
-        if os.path.isdir("/dev/shm"):
-            assert d.startswith(f"/dev/shm/shardkit-{os.getuid()}/")
-        assert d == default_directory(mgr.path) and d != default_directory(mgr.path + "x")
-    assert not os.path.exists(d)
+    d = None
+    try:
+        with CheckpointManager(url, 10, chkpt_on_preemption=False, local_tier=LocalTier()) as mgr:
+            d = default_directory(mgr.path)
+            mgr.save(1, {"x": torch.ones(2)})
+            mgr.join()
+            assert os.path.isdir(os.path.join(d, "local", "rank_00000", "step_00000001"))
+            if os.path.isdir("/dev/shm"):
+                assert d.startswith(f"/dev/shm/shardkit-{os.getuid()}/")
+            assert d == default_directory(mgr.path) and d != default_directory(mgr.path + "x")
+        assert not os.path.exists(d)
+    finally:  # never leave files in /dev/shm, even when an assertion failed
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_max_bytes_names_sizes_and_option(tmp_path):
