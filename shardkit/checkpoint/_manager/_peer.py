@@ -1,0 +1,178 @@
+"""Moving one rank-local copy between ranks over a gloo group (replicas and restores).
+
+A copy travels as: its header length (an int64, -1 for "nothing to send"), the header
+(JSON: the step and each file's name and size), then each file's bytes. Senders map
+their files and send them as they are; receivers map fresh files in a temporary
+directory and receive straight into them, so a replica costs no extra buffer. The
+header is hostile until checked (plain names, a bounded count and total size); the
+received copy is checked like any local copy (commit, sizes, ``tier.json``) before it
+is renamed into place, and its checksums are verified when it is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._core._errors import CorruptCheckpointError
+from ._local import LocalStore
+
+__all__ = ["exchange", "copy_files"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+_MAX_FILES = 4096
+_HEADER_MAX = 1 << 20
+
+
+def copy_files(path: str) -> list[list]:
+    """``[name, size]`` of every regular file of a copy, by name."""
+    out = []
+    for name in sorted(os.listdir(path)):
+        p = os.path.join(path, name)
+        if os.path.islink(p) or not os.path.isfile(p):
+            continue
+        out.append([name, os.path.getsize(p)])
+    return out
+
+
+def _map(path: str, size: int, *, write: bool) -> torch.Tensor:
+    if write:
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+
+
+def _check_header(header: Any, step: int, cap: int) -> list[list]:
+    if not isinstance(header, dict) or header.get("step") != step:
+        raise CorruptCheckpointError(f"peer copy header is not for step {step}: {header!r:.200}")
+    files = header.get("files")
+    if not isinstance(files, list) or len(files) > _MAX_FILES:
+        raise CorruptCheckpointError("peer copy header: bad file list")
+    total, names = 0, set()
+    for entry in files:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 2
+            or not isinstance(entry[0], str)
+            or not _NAME.match(entry[0])
+            or isinstance(entry[1], bool)
+            or not isinstance(entry[1], int)
+            or entry[1] < 0
+        ):
+            raise CorruptCheckpointError(f"peer copy header: bad file entry {entry!r:.200}")
+        if entry[0] in names:
+            raise CorruptCheckpointError(f"peer copy header: file {entry[0]!r} named twice")
+        names.add(entry[0])
+        total += entry[1]
+    if total > cap:
+        raise CorruptCheckpointError(
+            f"peer copy of step {step} announces {total} bytes, more than the {cap} expected"
+        )
+    return files
+
+
+def _post(group: Any, sends: list, recvs: list) -> None:
+    """Post every ``(tensor, peer)`` send and receive, then wait for all of them."""
+    works = [dist.isend(t, group=group, group_dst=p) for t, p in sends]
+    works += [dist.irecv(t, group=group, group_src=p) for t, p in recvs]
+    for w in works:
+        w.wait()
+
+
+def exchange(
+    group: Any,
+    *,
+    step: int,
+    send_to: int | None = None,
+    send_path: str | None = None,
+    recv_from: int | None = None,
+    store: LocalStore | None = None,
+    recv_kind: str = "replica",
+    recv_src: int | None = None,
+    cap: int = 0,
+) -> str | None:
+    """Send the copy at ``send_path`` to group rank ``send_to`` (None path: send "nothing")
+    while receiving one from ``recv_from`` into ``store`` as ``recv_kind`` of rank
+    ``recv_src``. Returns the received copy's path, or None when the sender had nothing.
+
+    Four phases, each posted in both directions before waiting (so a ring of exchanges
+    cannot deadlock): header lengths, headers, the receiver's accept/refuse answer, and
+    the files (only when accepted). Raises :class:`CorruptCheckpointError` for a refused
+    header or an invalid copy, after the pair finished its phases.
+    """
+    sending, receiving = send_to is not None, recv_from is not None
+    files, raw = [], b""
+    if sending and send_path is not None:
+        try:
+            files = copy_files(send_path)
+            raw = json.dumps({"step": step, "files": files}).encode()
+        except OSError:
+            files, raw = [], b""
+    # 1. header lengths (-1: nothing to send)
+    out_len = torch.tensor([len(raw) if raw else -1], dtype=torch.int64)
+    in_len = torch.zeros(1, dtype=torch.int64)
+    _post(
+        group, [(out_len, send_to)] if sending else [], [(in_len, recv_from)] if receiving else []
+    )
+    n_in = int(in_len.item()) if receiving else -1
+    error: Exception | None = None
+    if n_in > _HEADER_MAX:
+        error, n_in = CorruptCheckpointError(f"peer copy header of {n_in} bytes refused"), -1
+    # 2. headers
+    header = torch.empty(max(n_in, 0), dtype=torch.uint8)
+    _post(
+        group,
+        [(torch.frombuffer(bytearray(raw), dtype=torch.uint8), send_to)] if raw else [],
+        [(header, recv_from)] if n_in > 0 else [],
+    )
+    in_files: list[list] = []
+    if n_in > 0:
+        try:
+            in_files = _check_header(json.loads(bytes(header.numpy())), step, cap)
+        except ValueError as exc:
+            error = CorruptCheckpointError(f"peer copy header of step {step} is not JSON: {exc}")
+        except CorruptCheckpointError as exc:
+            error = exc
+    # 3. the receiver's answer to a sender that announced a copy
+    accept = torch.tensor([int(n_in > 0 and error is None)], dtype=torch.int64)
+    accepted = torch.zeros(1, dtype=torch.int64)
+    _post(group, [(accept, recv_from)] if n_in > 0 else [], [(accepted, send_to)] if raw else [])
+    # 4. the files, straight from the sender's mapped files into the receiver's
+    sends, recvs, tmp = [], [], None
+    if raw and accepted.item():
+        for name, size in files:
+            if size:
+                sends.append((_map(os.path.join(send_path, name), size, write=False), send_to))
+    if accept.item():
+        assert store is not None and recv_src is not None
+        os.makedirs(store.kind_dir(recv_kind, recv_src), mode=0o700, exist_ok=True)
+        tmp = store.new_tmp(recv_kind, recv_src, step)
+        for name, size in in_files:
+            path = os.path.join(tmp, name)
+            if size:
+                recvs.append((_map(path, size, write=True), recv_from))
+            else:
+                open(path, "wb").close()
+    try:
+        _post(group, sends, recvs)
+    except BaseException:
+        if tmp is not None:
+            store._remove(tmp)
+        raise
+    sends.clear()
+    recvs.clear()  # unmaps the received files
+    if error is not None:
+        raise error
+    if tmp is None:
+        return None
+    if store.check_copy(tmp, recv_src, step) is None:
+        store._remove(tmp)
+        raise CorruptCheckpointError(
+            f"the copy of rank {recv_src}'s shard at step {step} received from group rank "
+            f"{recv_from} is not a valid copy"
+        )
+    return store.publish(tmp, recv_kind, recv_src, step)
