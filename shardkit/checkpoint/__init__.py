@@ -40,6 +40,7 @@ from ._manager._retention import (
     LatestN,
     PreservationPolicy,
 )
+from ._manager._tiers import LocalTier, RestoreInfo
 
 __all__ = [
     "AnyPreservationPolicy",
@@ -47,6 +48,8 @@ __all__ = [
     "CheckpointManager",
     "EveryNSteps",
     "LatestN",
+    "LocalTier",
+    "RestoreInfo",
     "PreservationPolicy",
     "prime_optimizer",
     "CheckpointError",

@@ -31,13 +31,15 @@ from ._refs import referenced_files
 from ._retention import AnyPreservationPolicy as _Any
 from ._retention import LatestN, PreservationPolicy, steps_to_delete
 from ._storage import StepStore
+from ._tiered import TierEngine, TierMethods
+from ._tiers import LocalTier
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager:
+class CheckpointManager(TierMethods):
     """Saves a checkpoint every ``save_interval`` steps under ``path`` and prunes old ones.
 
     Args:
@@ -72,6 +74,9 @@ class CheckpointManager:
             rewritten but referenced. Retention keeps every file a kept step references.
             Off by default: a step directory is then no longer self-contained (copy it
             with ``shardkit ckpt materialize``). See docs/checkpoint-manager.md.
+        local_tier: a :class:`LocalTier`: also keep rank-local copies in node-local RAM
+            every ``interval`` steps, replicated to a peer rank; ``latest_step`` and
+            ``restore`` then use the fastest tier that has every rank's shard.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class CheckpointManager:
         take_over_lease: bool = False,
         num_of_threads: int = 1,
         incremental: bool = False,
+        local_tier: LocalTier | None = None,
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"path must be a non-empty str or os.PathLike URL, got {path!r}")
@@ -135,6 +141,7 @@ class CheckpointManager:
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self._lease = Lease(self._store.fs, self._store.root, ttl=float(lease_ttl))
         self._init_groups(process_group, async_process_group)
+        self._tiers = None if local_tier is None else TierEngine(self, local_tier)
         self._watcher = PreemptionWatcher(preemption_signal) if chkpt_on_preemption else None
         if self._watcher is not None:  # a manager dropped without close() gives SIGTERM back
             weakref.finalize(self, self._watcher.close)
@@ -260,8 +267,11 @@ class CheckpointManager:
 
     # -- queries ------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` is on the interval and newer than every step saved so far."""
+        """Whether ``step`` is on the interval and newer than every step saved so far
+        (of the persistent tier, or of the local tier when there is one)."""
         step = self._check_step(step)
+        if self._tiers is not None and self._tiers.due(step):
+            return True
         return step % self.save_interval == 0 and (
             self._last_step is None or step > self._last_step
         )
@@ -271,7 +281,14 @@ class CheckpointManager:
         return self._coordinated("listing checkpoints", self._store.committed_steps)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
+        """The newest committed step, or None.
+
+        With a local tier: the newest step whose every rank's shard some tier holds
+        (own local copy, a peer's replica, or the persistent tier), agreed in one exchange.
+        """
+        if self._tiers is not None:
+            self._check_open()
+            return self._tiers.latest_step()
         steps = self.all_steps()
         return steps[-1] if steps else None
 
@@ -324,8 +341,14 @@ class CheckpointManager:
         signalled = self._watcher is not None and self._watcher.received()
         with self._lock:
             failed = bool(self._errors)
-        (signalled, failed), ((lo, hi), (f_lo, f_hi)) = flags_and_ranges(
-            [signalled, failed], [step, int(bool(force))], self._ctrl, len(self._ranks)
+        tiers = self._tiers
+        tier_bytes = tiers.prepare(step, state_dict) if tiers is not None else 0
+        tier_failed = tiers is not None and tiers.has_error()
+        (signalled, failed, tier_failed), ((lo, hi), (f_lo, f_hi), tier_range) = flags_and_ranges(
+            [signalled, failed, tier_failed],
+            [step, int(bool(force)), tier_bytes],
+            self._ctrl,
+            len(self._ranks),
         )
         if lo != hi or f_lo != f_hi:
             what = f"steps from {lo} to {hi}" if lo != hi else "different force= values"
@@ -335,6 +358,9 @@ class CheckpointManager:
             )
         if failed:
             self._wait_in_flight(0)
+        if tier_failed:
+            tiers.raise_agreed_error()
+        local_saved = tiers is not None and tiers.save(step, *tier_range)
         preempted = signalled and self._preemption_step is None
         if preempted:
             self._preemption_step = step  # every rank agreed on this very step
@@ -345,7 +371,7 @@ class CheckpointManager:
                     f"step {step} is not newer than the last saved step {self._last_step} "
                     f"under {self.path}; steps must increase"
                 )
-            return False
+            return local_saved
         # Bound the backlog: the in-flight limit, and retention of every finished commit
         # (so at most max_to_keep + max_pending_async committed steps exist at any time).
         self._wait_in_flight(0 if blocking else self.max_pending_async - 1)
@@ -354,12 +380,14 @@ class CheckpointManager:
 
         self._become_writer()
         if self._last_step is not None and step <= self._last_step:
-            return False  # another writer committed it before we took the lease
+            return local_saved  # another writer committed it before we took the lease
         self._coordinated(
             f"preparing step {step}", lambda: self._prepare_step(step, metrics) or None
         )
         previous, self._last_step = self._last_step, step
         base = self._pin_base() if self.incremental else None
+        if tiers is not None:  # the core stages one save at a time per process
+            tiers.wait_staging()
         try:
             future = None if blocking else io.save_step_async(self, step, state_dict, base)
             if blocking:
@@ -497,6 +525,8 @@ class CheckpointManager:
 
     def join(self) -> None:
         """Wait for every in-flight save and retention pass; raise the first failure."""
+        if self._tiers is not None:
+            self._tiers.join()
         self._wait_in_flight(0)
         self._wait_retention()
         self._raise_errors()
@@ -506,13 +536,17 @@ class CheckpointManager:
         """Load committed ``step`` into ``state_dict`` in place, resharding as needed.
 
         Prime optimizers first (:func:`prime_optimizer`) so their state exists to load into.
-        Returns ``state_dict``.
+        Returns ``state_dict``. With a local tier each rank reads the fastest source of its
+        shard (local, peer, persistent; see :attr:`last_restore`).
         """
         self._check_open()
         step = self._check_step(step)
         # No retention pass may delete the step while it is read.
         self._wait_in_flight(0)
         self._wait_retention()
+        if self._tiers is not None:
+            self._tiers.restore(step, state_dict)
+            return state_dict
         steps = self.all_steps()
         if step not in steps:
             raise ValueError(
@@ -530,13 +564,21 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager({self.path!r}) is closed")
 
     def close(self) -> None:
-        """``join()``, then uninstall the preemption handler and stop the background thread."""
+        """``join()``, then uninstall the preemption handler and stop the background thread.
+
+        Removes this rank's local-tier files (a crash or a kill keeps them for the restart).
+        """
+        self._close(remove_local=True)
+
+    def _close(self, *, remove_local: bool) -> None:
         if self._closed:
             return
         try:
             self.join()
         finally:
             self._closed = True
+            if self._tiers is not None:
+                self._tiers.close(remove=remove_local)
             if self._watcher is not None:
                 self._watcher.close()
             self._retention.shutdown(wait=True)
@@ -546,8 +588,8 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self._close(remove_local=exc_type is None)  # an exception keeps the local tier
 
     def __repr__(self) -> str:
         return (

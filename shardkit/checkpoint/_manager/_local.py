@@ -1,0 +1,325 @@
+"""Rank-local checkpoint copies on node-local storage (the local tier and held replicas).
+
+Layout under the tier's directory (shared by the ranks of a machine)::
+
+    local/rank_00003/step_00000010/     rank 3's own copy of step 10
+    replica/rank_00002/step_00000010/   the replica of rank 2's shard held on this machine
+
+Each copy is an ordinary shardkit checkpoint of one rank's pieces, saved as a world of
+one (keys are the state dict's dotted keys, each tensor its local piece), plus
+``tier.json``: the manager's URL, the world size, the source rank and step, and the
+shard's layout (global shape, dtype and box of every piece) with its fingerprint. A
+copy is written into ``step_XXXXXXXX.tmp-<id>`` and renamed into place once complete,
+so a torn write is never listed; listing checks the core's commit (metadata, file
+sizes, headers) and ``tier.json``, and loading verifies every checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from typing import Any
+
+import torch
+
+from .._core._comm import Comm
+from .._core._errors import CheckpointError
+from .._core._flatten import Flat
+from .._core._load import _metadata as read_core_metadata
+from .._core._load import is_committed, load_with_metadata
+from .._core._planner import DefaultLoadPlanner, DefaultSavePlanner
+from .._core._save import live_data, max_file_bytes, prepare, write_and_commit
+from .._core._storage import FileSystemReader, FileSystemWriter
+from ._tiers import layout_fingerprint
+
+__all__ = ["LocalStore", "shard_layout"]
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "tier.json"
+FORMAT = "shardkit-local-tier"
+VERSION = 1
+_STEP = re.compile(r"^step_(\d{8,})$")
+_RANK = re.compile(r"^rank_(\d{5,})$")
+_MANIFEST_MAX = 64 << 20
+
+
+def shard_layout(flat: Flat) -> dict[str, Any]:
+    """This rank's layout: per tensor key its global shape, dtype and box; value keys."""
+    tensors = {
+        k: [
+            list(leaf.shape),
+            str(leaf.dtype).removeprefix("torch."),
+            list(leaf.box.offsets),
+            list(leaf.box.sizes),
+        ]
+        for k, leaf in flat.tensors.items()
+    }
+    return {"tensors": tensors, "values": sorted(flat.values), "absent": sorted(flat.absent)}
+
+
+def localized(flat: Flat, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """The flat state as a one-level dict: dotted key -> local piece or JSON value."""
+    out: dict[str, Any] = {}
+    for k, leaf in flat.tensors.items():
+        out[k] = leaf.local if tensors is None else tensors[k]
+    out.update(flat.values)
+    return out
+
+
+def _size_of(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+class LocalStore:
+    """The copies under one tier directory, seen from one rank."""
+
+    def __init__(self, root: str, url: str, rank: int, world_size: int) -> None:
+        self.root = root
+        self.url = url
+        self.rank = rank
+        self.world_size = world_size
+        self._reported: set[str] = set()
+        os.makedirs(root, mode=0o700, exist_ok=True)
+
+    # -- paths ----------------------------------------------------------------------------
+    def kind_dir(self, kind: str, src: int) -> str:
+        return os.path.join(self.root, "local" if kind == "local" else "replica", f"rank_{src:05d}")
+
+    def copy_path(self, kind: str, src: int, step: int) -> str:
+        return os.path.join(self.kind_dir(kind, src), f"step_{step:08d}")
+
+    def new_tmp(self, kind: str, src: int, step: int) -> str:
+        path = f"{self.copy_path(kind, src, step)}.tmp-{uuid.uuid4().hex[:12]}"
+        os.makedirs(path, mode=0o700)
+        return path
+
+    def publish(self, tmp: str, kind: str, src: int, step: int) -> str:
+        """Move a complete copy into place (replacing an older copy of the same step)."""
+        final = self.copy_path(kind, src, step)
+        if os.path.lexists(final):
+            self._remove(final)
+        os.rename(tmp, final)
+        return final
+
+    # -- writing --------------------------------------------------------------------------
+    def manifest(self, src: int, step: int, layout: dict) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "path": self.url,
+            "world_size": self.world_size,
+            "rank": src,
+            "step": step,
+            "fp": layout_fingerprint(layout),
+            "layout": layout,
+        }
+
+    def write_own(self, step: int, state: dict[str, Any], layout: dict) -> str:
+        """Save this rank's ``state`` (a one-level dict) as its copy of ``step``."""
+        os.makedirs(self.kind_dir("local", self.rank), mode=0o700, exist_ok=True)
+        tmp = self.new_tmp("local", self.rank, step)
+        try:
+            writer = FileSystemWriter(tmp)
+            comm = Comm(None, local=True)
+            planner = DefaultSavePlanner()
+            job = prepare(state, planner, comm, 1, max_file_bytes(writer))
+            write_and_commit(job, writer, comm, live_data(planner))
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(self.manifest(self.rank, step, layout), f)
+            return self.publish(tmp, "local", self.rank, step)
+        except BaseException:
+            self._remove(tmp)
+            raise
+
+    # -- listing --------------------------------------------------------------------------
+    def _note(self, path: str, why: str) -> None:
+        if path not in self._reported:
+            self._reported.add(path)
+            log.warning("local checkpoint tier: ignoring %s: %s", path, why)
+
+    def read_manifest(self, path: str) -> dict | None:
+        try:
+            p = os.path.join(path, MANIFEST)
+            if os.path.islink(p) or os.path.getsize(p) > _MANIFEST_MAX:
+                return None
+            with open(p) as f:
+                m = json.load(f)
+            return m if isinstance(m, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def check_copy(self, path: str, src: int, step: int) -> dict | None:
+        """The manifest of a valid copy at ``path``, or None (logged once) if torn/foreign."""
+        m = self.read_manifest(path)
+        if m is None:
+            self._note(path, f"{MANIFEST} missing or unreadable (a torn or partial copy)")
+            return None
+        if m.get("format") != FORMAT or m.get("version") != VERSION:
+            self._note(path, f"not a {FORMAT} v{VERSION} copy")
+            return None
+        if m.get("path") != self.url:
+            self._note(path, f"a copy of another run ({m.get('path')!r}, not {self.url!r})")
+            return None
+        if m.get("world_size") != self.world_size:
+            self._note(
+                path,
+                f"saved by a world of {m.get('world_size')} ranks, this one has "
+                f"{self.world_size}; the persistent tier restores across world sizes",
+            )
+            return None
+        if m.get("rank") != src or m.get("step") != step:
+            self._note(path, f"its {MANIFEST} names rank {m.get('rank')} step {m.get('step')}")
+            return None
+        if not isinstance(m.get("fp"), str) or m["fp"] != layout_fingerprint(m.get("layout")):
+            self._note(path, "its layout does not match its fingerprint")
+            return None
+        if not is_committed(path):
+            self._note(path, "not a committed checkpoint (missing metadata, truncated file)")
+            return None
+        return m
+
+    def _entries(self, kind: str):
+        base = os.path.join(self.root, "local" if kind == "local" else "replica")
+        try:
+            ranks = os.listdir(base)
+        except OSError:
+            return
+        for rname in sorted(ranks):
+            rm = _RANK.match(rname)
+            if rm is None:
+                continue
+            src = int(rm.group(1))
+            rdir = os.path.join(base, rname)
+            if os.path.islink(rdir) or not os.path.isdir(rdir):
+                continue
+            try:
+                names = os.listdir(rdir)
+            except OSError:
+                continue
+            for name in names:
+                sm = _STEP.match(name)
+                path = os.path.join(rdir, name)
+                if sm is None or os.path.islink(path) or not os.path.isdir(path):
+                    continue
+                yield src, int(sm.group(1)), path
+
+    def steps(self, kind: str, src: int) -> list[int]:
+        """Steps with a directory (valid or not) for ``src``, ascending."""
+        return sorted(s for r, s, _ in self._entries(kind) if r == src)
+
+    def scan(self) -> list[list]:
+        """Every valid copy this rank sees: ``[src, step, kind, fingerprint]``."""
+        out = []
+        for kind in ("local", "replica"):
+            for src, step, path in self._entries(kind):
+                if not 0 <= src < self.world_size:
+                    self._note(path, f"rank {src} is outside this world of {self.world_size}")
+                    continue
+                m = self.check_copy(path, src, step)
+                if m is not None:
+                    out.append([src, step, kind, m["fp"]])
+        return out
+
+    # -- loading --------------------------------------------------------------------------
+    def load_copy(self, path: str, flat: Flat, fp: str) -> None:
+        """Load a copy into the caller's state (in place), verifying every checksum."""
+        m = self.read_manifest(path)
+        if m is None or m.get("fp") != fp:
+            raise CheckpointError(
+                f"{path}: the copy's layout differs from this rank's state dict (or its "
+                f"{MANIFEST} is unreadable)"
+            )
+        target = localized(flat)
+        reader = FileSystemReader(path)
+        load_with_metadata(target, reader, read_core_metadata(reader), planner=DefaultLoadPlanner())
+        for key, slot in flat.slots.items():
+            if key in target and key in flat.values:
+                slot.container[slot.index] = target[key]
+        for obj, inner in flat.statefuls:  # inner before outer, as the core's load
+            obj.load_state_dict(inner)
+
+    # -- retention and cleanup ---------------------------------------------------------------
+    def _remove(self, path: str) -> None:
+        try:
+            if os.path.islink(path) or os.path.isfile(path):
+                os.unlink(path)
+            else:
+                shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("local checkpoint tier: could not remove %s: %s", path, exc)
+
+    def _ours(self, path: str) -> bool:
+        """Whether a copy belongs to this run (or is torn: no readable manifest)."""
+        m = self.read_manifest(path)
+        return m is None or m.get("path") == self.url
+
+    def retain(self, kind: str, src: int, keep: int) -> None:
+        """Keep the ``keep`` newest steps of ``src`` (and no stale temporary copies).
+
+        Copies of another run sharing the directory are left alone.
+        """
+        d = self.kind_dir(kind, src)
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return
+        steps = sorted(
+            (int(m.group(1)), n)
+            for n in names
+            if (m := _STEP.match(n)) and self._ours(os.path.join(d, n))
+        )
+        for _, name in steps[:-keep] if keep else steps:
+            self._remove(os.path.join(d, name))
+        for name in names:  # only this rank writes here: a leftover temporary is stale
+            if ".tmp-" in name:
+                self._remove(os.path.join(d, name))
+
+    def remove(self, kind: str, src: int) -> None:
+        """Remove this run's copies of ``src`` (and the directory once empty)."""
+        d = self.kind_dir(kind, src)
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(d, name)
+            if ".tmp-" in name or (_STEP.match(name) and self._ours(path)):
+                self._remove(path)
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+
+    def remove_step(self, kind: str, src: int, step: int) -> None:
+        self._remove(self.copy_path(kind, src, step))
+
+    def prune_empty(self, *, parent: bool) -> None:
+        """Remove empty directories up to the root (ranks of this machine may share it),
+        and its parent too with ``parent`` (the default directory's ``shardkit-<uid>``)."""
+        for sub in ("local", "replica", ""):
+            try:
+                os.rmdir(os.path.join(self.root, sub) if sub else self.root)
+            except OSError:
+                pass
+        if parent:
+            try:
+                os.rmdir(os.path.dirname(self.root))
+            except OSError:
+                pass
+
+    def bytes_of(self, kind: str, src: int | None) -> int:
+        return 0 if src is None else _size_of(self.kind_dir(kind, src))

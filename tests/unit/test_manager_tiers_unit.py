@@ -1,0 +1,335 @@
+"""The local checkpoint tier's pure logic and single-process behaviour: options, peers,
+step agreement, source plans, foreign and torn copies, cleanup rules, memory report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from shardkit.checkpoint import CheckpointManager, LocalTier, RestoreInfo
+from shardkit.checkpoint._manager._local import LocalStore
+from shardkit.checkpoint._manager._tiers import (
+    choose_latest,
+    default_directory,
+    peer_of,
+    plan_sources,
+    source_of,
+)
+
+# -- options ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        ({"interval": 0}, ValueError, "interval=0"),
+        ({"interval": 1.5}, TypeError, "interval=1.5"),
+        ({"interval": True}, TypeError, "interval=True"),
+        ({"max_to_keep": 0}, ValueError, "max_to_keep=0"),
+        ({"peer": 1}, TypeError, "peer=1"),
+        ({"max_bytes": 0}, ValueError, "max_bytes=0"),
+        ({"max_bytes": "1G"}, TypeError, "max_bytes='1G'"),
+        ({"directory": ""}, TypeError, "directory=''"),
+        ({"directory": "s3://b/x"}, ValueError, "not a URL"),
+    ],
+)
+def test_local_tier_validation(kwargs, exc, words):
+    with pytest.raises(exc, match=words.replace("(", r"\(").replace(".", r"\.")):
+        LocalTier(**kwargs)
+
+
+def test_local_tier_is_frozen_and_keyword_only():
+    tier = LocalTier(interval=2)
+    assert (tier.interval, tier.directory, tier.max_to_keep, tier.peer, tier.max_bytes) == (
+        2,
+        None,
+        2,
+        True,
+        None,
+    )
+    with pytest.raises(AttributeError):
+        tier.interval = 3
+    with pytest.raises(TypeError):
+        LocalTier(2)
+
+
+def test_manager_refuses_other_tier_objects(tmp_path):
+    with pytest.raises(TypeError, match="LocalTier"):
+        CheckpointManager(str(tmp_path / "p"), 1, local_tier={"interval": 1})
+
+
+# -- peers --------------------------------------------------------------------------------
+
+
+def test_peer_is_on_the_next_machine():
+    # 2 machines x 4 ranks: rank r's replica goes to the same local rank on the other one
+    assert [peer_of(r, 8, 4) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]
+    # 3 machines x 2 ranks: a ring over machines
+    assert [peer_of(r, 6, 2) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    for world, lws in ((8, 4), (6, 2), (4, 4), (3, 1), (2, 2), (5, 7)):
+        peers = [peer_of(r, world, lws) for r in range(world)]
+        assert sorted(peers) == list(range(world))  # a permutation: one replica per rank
+        assert all(p != r for r, p in enumerate(peers))
+        assert [source_of(p, world, lws) for p in peers] == list(range(world))
+
+
+def test_single_machine_and_world_of_one():
+    assert [peer_of(r, 4, 4) for r in range(4)] == [1, 2, 3, 0]  # same machine: next rank
+    assert peer_of(0, 1, 1) is None and source_of(0, 1, 1) is None
+
+
+# -- agreement ----------------------------------------------------------------------------
+
+
+def _inv(copies, persistent=(), fp="L"):
+    return {"fp": fp, "copies": [list(c) for c in copies], "persistent": list(persistent)}
+
+
+def test_latest_is_newest_step_complete_across_the_world():
+    invs = [
+        _inv([(0, 5, "local", "L"), (0, 6, "local", "L"), (1, 5, "replica", "L")], [4]),
+        _inv([(1, 5, "local", "L"), (0, 5, "replica", "L"), (0, 6, "replica", "L")]),
+    ]
+    assert choose_latest(invs) == 5  # rank 1's shard of step 6 is nowhere
+    invs[1]["copies"].append([1, 7, "local", "L"])
+    assert choose_latest(invs) == 5
+    invs[0]["persistent"] = [4, 8]
+    assert choose_latest(invs) == 8  # persistent has every shard
+    assert choose_latest([_inv([]), _inv([])]) is None
+
+
+def test_latest_with_layout_check_ignores_other_layouts():
+    invs = [
+        _inv([(0, 5, "local", "old"), (1, 5, "replica", "L")], [4]),
+        _inv([(1, 5, "local", "L")]),
+    ]
+    assert choose_latest(invs) == 5
+    assert choose_latest(invs, check_layout=True) == 4
+
+
+def test_plan_prefers_own_local_then_peer_then_persistent():
+    invs = [
+        _inv([(0, 5, "local", "L"), (1, 5, "replica", "L")], [5]),
+        _inv([(0, 5, "replica", "L")]),
+        _inv([(2, 5, "local", "L"), (1, 5, "local", "L")]),  # rank 1's copy seen by rank 2
+    ]
+    plan = plan_sources(invs, 5)
+    assert plan[0] == ("local", 0, "local")
+    assert plan[1] == ("peer", 0, "replica")  # a replica before a same-node view
+    assert plan[2] == ("local", 2, "local")
+    plan = plan_sources(invs, 5, {(1, 0, "replica"), (0, 0, "local")})
+    assert plan[1] == ("peer", 2, "local")
+    assert plan[0] == ("peer", 1, "replica")
+    assert plan_sources(invs, 5, {(0, 0, "local"), (0, 1, "replica")})[0] == (
+        "persistent",
+        None,
+        None,
+    )
+    plan = plan_sources(invs, 5, {(1, 0, "replica"), (1, 2, "local")})
+    assert plan[1] == ("persistent", None, None)
+    invs[0]["persistent"] = []
+    assert plan_sources(invs, 5, {(1, 0, "replica"), (1, 2, "local")})[1] is None
+
+
+def test_plan_reads_a_replica_it_sees_itself():
+    # one machine: rank 1 sees the replica of its shard that rank 0 keeps in the shared dir
+    invs = [_inv([(0, 3, "local", "L"), (1, 3, "replica", "L")]), _inv([(1, 3, "replica", "L")])]
+    invs[1]["copies"] += [[0, 3, "local", "L"]]
+    assert plan_sources(invs, 3)[1] == ("peer", 1, "replica")
+
+
+# -- copies on disk -----------------------------------------------------------------------
+
+
+def _write(store, step, state):
+    from shardkit.checkpoint._core._flatten import flatten
+    from shardkit.checkpoint._manager._local import localized, shard_layout
+
+    flat = flatten(state, for_save=True)
+    return store.write_own(step, localized(flat), shard_layout(flat))
+
+
+def test_foreign_and_torn_copies_are_ignored(tmp_path, caplog):
+    root = str(tmp_path / "ram")
+    url = "file:///run/a"
+    mine = LocalStore(root, url, 0, 2)
+    good = _write(mine, 3, {"w": torch.arange(4.0)})
+    assert mine.scan() == [[0, 3, "local", mine.read_manifest(good)["fp"]]]
+    caplog.set_level(logging.WARNING)
+    assert LocalStore(root, "file:///run/b", 0, 2).scan() == []  # another run
+    assert LocalStore(root, url, 0, 3).scan() == []  # another world size
+    assert "another run" in caplog.text and "world of 2" in caplog.text
+    # a copy in rank 1's place that names rank 0 (moved by hand)
+    os.makedirs(mine.kind_dir("local", 1))
+    os.rename(good, mine.copy_path("local", 1, 3))
+    assert mine.scan() == []
+    os.rename(mine.copy_path("local", 1, 3), good)
+    # a temporary (unfinished) copy is never listed
+    os.rename(good, good + ".tmp-abc")
+    assert mine.scan() == []
+    os.rename(good + ".tmp-abc", good)
+    # torn: a truncated data file; a tampered manifest
+    data = os.path.join(good, next(n for n in os.listdir(good) if n.startswith("data-")))
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) - 1)
+    assert mine.scan() == []
+    other = _write(mine, 4, {"w": torch.arange(4.0)})
+    m = mine.read_manifest(other)
+    m["layout"]["tensors"]["w"][0] = [5]
+    with open(os.path.join(other, "tier.json"), "w") as f:
+        json.dump(m, f)
+    assert mine.scan() == []
+
+
+def test_single_process_cycle_cleanup_and_memory(tmp_path):
+    ram = tmp_path / "ram"
+    model = torch.nn.Linear(4, 3)
+    with CheckpointManager(
+        str(tmp_path / "p"), 4, max_to_keep=1, chkpt_on_preemption=False,
+        local_tier=LocalTier(directory=ram, max_to_keep=2),
+    ) as mgr:  # fmt: skip
+        assert mgr.last_restore is None
+        for step in range(1, 7):
+            assert mgr.should_save(step)
+            assert mgr.save(step, {"model": model.state_dict(), "step": step})
+            with torch.no_grad():
+                model.weight.add_(1.0)
+        mgr.join()
+        mem = mgr.tier_memory()
+        steps = sorted(os.listdir(ram / "local" / "rank_00000"))
+        assert steps == ["step_00000005", "step_00000006"]
+        on_disk = sum(
+            os.path.getsize(os.path.join(d, f))
+            for d, _, fs in os.walk(ram / "local")
+            for f in fs  # fmt: skip
+        )
+        assert mem["local"] == on_disk and mem["replica"] == 0  # no peer in a world of one
+        assert mem["staging"] == (12 + 3) * 4 and mem["peak"] >= on_disk + mem["staging"]
+        assert mgr.latest_step() == 6 and mgr.all_steps() == [4]
+        expect = model.weight.detach().clone() - 1.0
+        target = {"model": torch.nn.Linear(4, 3).state_dict(), "step": -1}
+        mgr.restore(6, target)
+        assert torch.equal(target["model"]["weight"], expect) and target["step"] == 6
+        assert mgr.last_restore.tier == "local" and mgr.last_restore.tiers_by_rank == ["local"]
+        assert isinstance(mgr.last_restore, RestoreInfo)
+        mgr.restore(4, target)  # local copy gone (retention): the persistent tier
+        assert mgr.last_restore.tier == "persistent" and target["step"] == 4
+    assert not ram.exists()  # a clean exit removes the tier
+
+
+def test_exception_keeps_the_tier_and_foreign_run_ignores_it(tmp_path):
+    ram = tmp_path / "ram"
+    with pytest.raises(RuntimeError):
+        with CheckpointManager(
+            str(tmp_path / "a"), 10, chkpt_on_preemption=False,
+            local_tier=LocalTier(directory=ram),
+        ) as mgr:  # fmt: skip
+            mgr.save(1, {"x": torch.ones(2)})
+            raise RuntimeError("crash")
+    assert (ram / "local" / "rank_00000" / "step_00000001" / "metadata.json").exists()
+    with CheckpointManager(
+        str(tmp_path / "b"), 10, chkpt_on_preemption=False, local_tier=LocalTier(directory=ram)
+    ) as other:
+        assert other.latest_step() is None  # run a's copy is foreign to run b
+    with CheckpointManager(
+        str(tmp_path / "a"), 10, chkpt_on_preemption=False, local_tier=LocalTier(directory=ram)
+    ) as again:
+        assert again.latest_step() == 1
+        out = again.restore(1, {"x": torch.zeros(2)})
+        assert torch.equal(out["x"], torch.ones(2)) and again.last_restore.tier == "local"
+
+
+def test_default_directory_in_dev_shm(tmp_path):
+    url = str(tmp_path / "p")
+    with CheckpointManager(url, 10, chkpt_on_preemption=False, local_tier=LocalTier()) as mgr:
+        d = default_directory(mgr.path)
+        mgr.save(1, {"x": torch.ones(2)})
+        mgr.join()
+        assert os.path.isdir(os.path.join(d, "local", "rank_00000", "step_00000001"))
+        if os.path.isdir("/dev/shm"):
+            assert d.startswith(f"/dev/shm/shardkit-{os.getuid()}/")
+        assert d == default_directory(mgr.path) and d != default_directory(mgr.path + "x")
+    assert not os.path.exists(d)
+
+
+def test_max_bytes_names_sizes_and_option(tmp_path):
+    with CheckpointManager(
+        str(tmp_path / "p"), 10, chkpt_on_preemption=False,
+        local_tier=LocalTier(directory=tmp_path / "ram", max_bytes=1000),
+    ) as mgr:  # fmt: skip
+        assert mgr.save(1, {"x": torch.ones(10)})  # 3 x 40 bytes fit
+        with pytest.raises(ValueError, match=r"needs up to 1200 bytes.*max_bytes=1000"):
+            mgr.save(2, {"x": torch.ones(100)})
+
+
+# -- zero-stall staging --------------------------------------------------------------------
+
+
+def _trained():
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()  # the optimizer is known: its tensors are staged in the background
+    return model, optim
+
+
+def _hold(mgr):
+    """Keep the tier's background thread busy until the returned event is set."""
+    import threading
+
+    release, started = threading.Event(), threading.Event()
+    mgr._tiers._pool.submit(lambda: (started.set(), release.wait()))
+    started.wait()
+    return release
+
+
+def test_zero_stall_optimizer_step_waits_for_the_staging_copy(tmp_path):
+    import threading
+    import time
+
+    from shardkit.checkpoint._core._zero_stall import STATS
+
+    model, optim = _trained()
+    with CheckpointManager(
+        str(tmp_path / "p"), 100, chkpt_on_preemption=False,
+        local_tier=LocalTier(directory=tmp_path / "ram"),
+    ) as mgr:  # fmt: skip
+        expect = {k: v.clone() for k, v in model.state_dict().items()}
+        release = _hold(mgr)
+        assert mgr.save_async(1, {"model": model.state_dict()})  # returns before copying
+        waiting = STATS.waiting
+        stepper = threading.Thread(target=optim.step)
+        stepper.start()
+        deadline = time.monotonic() + 30
+        while STATS.waiting == waiting and time.monotonic() < deadline:
+            time.sleep(0.001)  # polling a counter, not synchronizing on time
+        assert STATS.waiting == waiting + 1 and stepper.is_alive()  # step waits for staging
+        release.set()
+        stepper.join()
+        mgr.join()
+        assert not torch.equal(model.weight, expect["weight"])  # the step did run after
+        target = {"model": torch.nn.Linear(4, 3).state_dict()}
+        mgr.restore(1, target)
+        assert all(torch.equal(target["model"][k], v) for k, v in expect.items())
+
+
+def test_zero_stall_change_outside_step_fails_the_save(tmp_path):
+    from shardkit.checkpoint import CheckpointError
+
+    model, _ = _trained()
+    with pytest.raises(CheckpointError, match="changed in place"):
+        with CheckpointManager(
+            str(tmp_path / "p"), 100, chkpt_on_preemption=False,
+            local_tier=LocalTier(directory=tmp_path / "ram"),
+        ) as mgr:  # fmt: skip
+            release = _hold(mgr)
+            mgr.save_async(1, {"model": model.state_dict()})
+            with torch.no_grad():
+                model.weight.add_(1.0)  # not through optimizer.step(): detected
+            release.set()
+            mgr.save_async(2, {"model": model.state_dict()})  # raises step 1's failure
+    assert not (tmp_path / "ram" / "local" / "rank_00000" / "step_00000001").exists()
