@@ -184,10 +184,14 @@ def _train_then_lose_both_machines(ns, veth, tmp_path):
         wait_for="READY",
     )
     try:
+        workers = []
         for node, text in enumerate(seen):
-            assert f"READY {node}" in text, f"node {node}:\n{text[-4000:]}"
+            assert f"READY {node} " in text, f"node {node}:\n{text[-4000:]}"
+            workers.append(int(text.split(f"READY {node} ")[1].split()[0]))
+        for pid in workers[::-1]:  # machine B's rank first, then A's
+            os.kill(pid, signal.SIGKILL)  # torchrun starts its ranks in their own session
     finally:
-        _kill(procs[::-1])  # machine B first, then A's ranks
+        _kill(procs[::-1])
     steps = sorted(p.name for p in storage.iterdir() if p.name.startswith("step_"))
     assert steps == ["step_00000000", "step_00000005"]  # storage never had steps 6 and 7
     for node in range(2):  # each machine holds its own copy and its peer's replica of 7

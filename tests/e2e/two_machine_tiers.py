@@ -2,11 +2,12 @@
 
 ``train DIR RAM STEPS``: saves steps 0..STEPS-1 (RAM tier every step, storage every 5)
 of a state whose shard is a function of (rank, step), waits until every copy and replica
-has landed, prints ``READY`` and waits to be SIGKILLed: the copies stay in RAM.
+has landed, prints ``READY rank pid`` and waits to be SIGKILLed: the copies stay in RAM.
 ``restore DIR RAM``: restores the newest step every rank can get, checks it bit-exactly
 against the expected shard and prints ``RESTORED rank step tier tiers_by_rank``.
 """
 
+import os
 import signal
 import sys
 
@@ -40,7 +41,7 @@ def main(mode: str, path: str, ram: str, steps: int = 0) -> None:
             mgr.save_async(step, state(shard(rank, step)))
         mgr.join()  # every local copy and replica written
         dist.barrier()
-        print(f"READY {rank}", flush=True)
+        print(f"READY {rank} {os.getpid()}", flush=True)
         signal.pause()  # until the test SIGKILLs this "machine"
     step = mgr.latest_step()
     out = mgr.restore(step, state(torch.zeros(1, N)))
