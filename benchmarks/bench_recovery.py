@@ -149,13 +149,20 @@ def _run(variant: str, args: argparse.Namespace, work: str) -> list[dict]:
         *("--kill-file", os.path.join(run_dir, "kill.json")),
     ] + (["--warm"] if args.warm else [])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
+    # a fresh store per attempt: with torchrun's shared one a restarted rank can read its
+    # predecessor's stale gloo address (pytorch/pytorch#135712)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        _, err = proc.communicate(timeout=args.timeout)
         if proc.returncode != 0:
-            raise SystemExit(f"{variant} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+            raise SystemExit(f"{variant} run failed ({proc.returncode}):\n{err[-4000:]}")
         with open(result) as f:
             return [json.loads(line) for line in f]
     finally:
+        if proc.poll() is None:  # torchrun stops its ranks on SIGTERM
+            proc.terminate()
+            proc.wait(timeout=60)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -193,6 +200,7 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true", help="leave storage in the page cache")
     parser.add_argument("--shm-root", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     parser.add_argument("--quick", action="store_true", help="16 MiB per rank, one repeat")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per torchrun job")
     for internal in ("--variant", "--ckpt", "--local-dir", "--result", "--kill-file"):
         parser.add_argument(internal, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
