@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from .. import runtime as xr
 from ._demo_ckpt import DemoCheckpoints
-from ._demo_restart import RecoveryClock
 from ._demo_parts import (
     CommCounter,
     accuracy,
@@ -38,6 +37,7 @@ from ._demo_parts import (
     load_digits_split,
     make_mlp,
 )
+from ._demo_restart import RecoveryClock
 
 __all__ = ["main"]
 
