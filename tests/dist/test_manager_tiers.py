@@ -281,3 +281,54 @@ def _bounded(root):
 def test_max_bytes(tmp_path):
     for msg in run_ranks(_bounded, 2, str(tmp_path), timeout=60):
         assert msg is not None and "max_bytes=100" in msg and "largest shard 60" in msg
+
+
+def _zero_stall_peer(root):
+    """A model an optimizer trains, staged in the background while training goes on; a
+    rank whose RAM is lost gets the state of the save call back from its peer."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+
+    def step(s):
+        optim.zero_grad()
+        model(torch.full((2, 8), float(s + _rank()))).pow(2).sum().backward()
+        optim.step()
+
+    saved = {}
+    try:
+        with _mgr(root) as mgr:
+            for s in range(1, 4):  # no persistent step (every 4): the ranks' models differ
+                step(s)
+                state = {"model": model.state_dict(), "optim": optim.state_dict()}
+                mgr.save_async(s, state)
+                saved[s] = {k: v.clone() for k, v in model.state_dict().items()}
+            step(4)  # runs while (or after) step 3's copy is staged
+            mgr.join()
+            raise _Crash
+    except _Crash:
+        pass
+    _barrier()
+    if _rank() == 1:
+        shutil.rmtree(_node(root))
+    _barrier()
+    fresh = torch.nn.Linear(8, 4)
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    from shardkit.checkpoint import prime_optimizer
+
+    prime_optimizer(fresh_optim)
+    with _mgr(root) as mgr:
+        latest = mgr.latest_step()
+        target = {"model": fresh.state_dict(), "optim": fresh_optim.state_dict()}
+        mgr.restore(latest, target)
+        fresh_optim.load_state_dict(target["optim"])
+        exact = all(torch.equal(fresh.state_dict()[k], v) for k, v in saved[latest].items())
+        moments = fresh_optim.state_dict()["state"][0]["exp_avg"]
+        return latest, mgr.last_restore.tiers_by_rank, exact, bool(moments.abs().sum() > 0)
+
+
+def test_zero_stall_state_restores_from_peer(tmp_path):
+    for out in run_ranks(_zero_stall_peer, 2, str(tmp_path), timeout=90):
+        assert out == (3, ["local", "peer"], True, True)

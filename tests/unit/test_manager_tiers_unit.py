@@ -60,6 +60,8 @@ def test_local_tier_is_frozen_and_keyword_only():
 def test_manager_refuses_other_tier_objects(tmp_path):
     with pytest.raises(TypeError, match="LocalTier"):
         CheckpointManager(str(tmp_path / "p"), 1, local_tier={"interval": 1})
+    with pytest.raises(ValueError, match="read_only=True"):
+        CheckpointManager(str(tmp_path / "p"), 1, read_only=True, local_tier=LocalTier())
 
 
 # -- peers --------------------------------------------------------------------------------
@@ -244,16 +246,23 @@ def test_exception_keeps_the_tier_and_foreign_run_ignores_it(tmp_path):
 
 
 def test_default_directory_in_dev_shm(tmp_path):
+    import shutil
+
     url = str(tmp_path / "p")
-    with CheckpointManager(url, 10, chkpt_on_preemption=False, local_tier=LocalTier()) as mgr:
-        d = default_directory(mgr.path)
-        mgr.save(1, {"x": torch.ones(2)})
-        mgr.join()
-        assert os.path.isdir(os.path.join(d, "local", "rank_00000", "step_00000001"))
-        if os.path.isdir("/dev/shm"):
-            assert d.startswith(f"/dev/shm/shardkit-{os.getuid()}/")
-        assert d == default_directory(mgr.path) and d != default_directory(mgr.path + "x")
-    assert not os.path.exists(d)
+    d = None
+    try:
+        with CheckpointManager(url, 10, chkpt_on_preemption=False, local_tier=LocalTier()) as mgr:
+            d = default_directory(mgr.path)
+            mgr.save(1, {"x": torch.ones(2)})
+            mgr.join()
+            assert os.path.isdir(os.path.join(d, "local", "rank_00000", "step_00000001"))
+            if os.path.isdir("/dev/shm"):
+                assert d.startswith(f"/dev/shm/shardkit-{os.getuid()}/")
+            assert d == default_directory(mgr.path) and d != default_directory(mgr.path + "x")
+        assert not os.path.exists(d)
+    finally:  # never leave files in /dev/shm, even when an assertion failed
+        if d is not None:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_max_bytes_names_sizes_and_option(tmp_path):
@@ -333,3 +342,27 @@ def test_zero_stall_change_outside_step_fails_the_save(tmp_path):
             release.set()
             mgr.save_async(2, {"model": model.state_dict()})  # raises step 1's failure
     assert not (tmp_path / "ram" / "local" / "rank_00000" / "step_00000001").exists()
+
+
+@pytest.mark.parametrize(
+    "header, words",
+    [
+        ({"step": 4, "files": []}, "not for step 3"),
+        ({"step": 3, "files": [["../x", 1]]}, "bad file entry"),
+        ({"step": 3, "files": [["a/b", 1]]}, "bad file entry"),
+        ({"step": 3, "files": [[".hidden", 1]]}, "bad file entry"),
+        ({"step": 3, "files": [["a", -1]]}, "bad file entry"),
+        ({"step": 3, "files": [["a", True]]}, "bad file entry"),
+        ({"step": 3, "files": [["a", 1], ["a", 2]]}, "named twice"),
+        ({"step": 3, "files": [["a", 600], ["b", 600]]}, "more than the 1000 expected"),
+        ({"step": 3, "files": "a"}, "bad file list"),
+        ([1, 2], "not for step 3"),
+    ],
+)
+def test_peer_header_is_checked_before_anything_is_allocated(header, words):
+    from shardkit.checkpoint import CorruptCheckpointError
+    from shardkit.checkpoint._manager._peer import _check_header
+
+    with pytest.raises(CorruptCheckpointError, match=words):
+        _check_header(header, 3, 1000)
+    assert _check_header({"step": 3, "files": [["a", 600], ["b", 400]]}, 3, 1000)

@@ -52,7 +52,7 @@ def _check_header(header: Any, step: int, cap: int) -> list[list]:
     files = header.get("files")
     if not isinstance(files, list) or len(files) > _MAX_FILES:
         raise CorruptCheckpointError("peer copy header: bad file list")
-    total = 0
+    total, names = 0, set()
     for entry in files:
         if (
             not isinstance(entry, list)
@@ -64,12 +64,23 @@ def _check_header(header: Any, step: int, cap: int) -> list[list]:
             or entry[1] < 0
         ):
             raise CorruptCheckpointError(f"peer copy header: bad file entry {entry!r:.200}")
+        if entry[0] in names:
+            raise CorruptCheckpointError(f"peer copy header: file {entry[0]!r} named twice")
+        names.add(entry[0])
         total += entry[1]
     if total > cap:
         raise CorruptCheckpointError(
             f"peer copy of step {step} announces {total} bytes, more than the {cap} expected"
         )
     return files
+
+
+def _post(group: Any, sends: list, recvs: list) -> None:
+    """Post every ``(tensor, peer)`` send and receive, then wait for all of them."""
+    works = [dist.isend(t, group=group, group_dst=p) for t, p in sends]
+    works += [dist.irecv(t, group=group, group_src=p) for t, p in recvs]
+    for w in works:
+        w.wait()
 
 
 def exchange(
@@ -88,12 +99,12 @@ def exchange(
     while receiving one from ``recv_from`` into ``store`` as ``recv_kind`` of rank
     ``recv_src``. Returns the received copy's path, or None when the sender had nothing.
 
-    Both directions are posted before waiting, so a ring of exchanges cannot deadlock.
-    Raises :class:`CorruptCheckpointError` for a bad header or copy (after the transfer
-    finished, so the pair stays in step).
+    Four phases, each posted in both directions before waiting (so a ring of exchanges
+    cannot deadlock): header lengths, headers, the receiver's accept/refuse answer, and
+    the files (only when accepted). Raises :class:`CorruptCheckpointError` for a refused
+    header or an invalid copy, after the pair finished its phases.
     """
-    sending = send_to is not None
-    receiving = recv_from is not None
+    sending, receiving = send_to is not None, recv_from is not None
     files, raw = [], b""
     if sending and send_path is not None:
         try:
@@ -101,88 +112,63 @@ def exchange(
             raw = json.dumps({"step": step, "files": files}).encode()
         except OSError:
             files, raw = [], b""
+    # 1. header lengths (-1: nothing to send)
     out_len = torch.tensor([len(raw) if raw else -1], dtype=torch.int64)
     in_len = torch.zeros(1, dtype=torch.int64)
-    works = []
-    if sending:
-        works.append(dist.isend(out_len, group=group, group_dst=send_to))
-    if receiving:
-        works.append(dist.irecv(in_len, group=group, group_src=recv_from))
-    for w in works:
-        w.wait()
+    _post(
+        group, [(out_len, send_to)] if sending else [], [(in_len, recv_from)] if receiving else []
+    )
     n_in = int(in_len.item()) if receiving else -1
-    if receiving and n_in > _HEADER_MAX:
-        n_in = -2  # refused: still drain nothing more (the sender sends its header below)
-    works = []
-    header_in = torch.empty(max(n_in, 0) if n_in != -2 else int(in_len.item()), dtype=torch.uint8)
-    if sending and raw:
-        works.append(
-            dist.isend(torch.frombuffer(bytearray(raw), dtype=torch.uint8), group=group,
-                       group_dst=send_to)
-        )  # fmt: skip
-    if receiving and in_len.item() > 0:
-        works.append(dist.irecv(header_in, group=group, group_src=recv_from))
-    for w in works:
-        w.wait()
     error: Exception | None = None
+    if n_in > _HEADER_MAX:
+        error, n_in = CorruptCheckpointError(f"peer copy header of {n_in} bytes refused"), -1
+    # 2. headers
+    header = torch.empty(max(n_in, 0), dtype=torch.uint8)
+    _post(
+        group,
+        [(torch.frombuffer(bytearray(raw), dtype=torch.uint8), send_to)] if raw else [],
+        [(header, recv_from)] if n_in > 0 else [],
+    )
     in_files: list[list] = []
-    if receiving and in_len.item() > 0:
+    if n_in > 0:
         try:
-            if n_in == -2:
-                raise CorruptCheckpointError("peer copy header too large")
-            in_files = _check_header(json.loads(bytes(header_in.numpy())), step, cap)
-        except (ValueError, CorruptCheckpointError) as exc:
-            error = (
-                exc
-                if isinstance(exc, CorruptCheckpointError)
-                else CorruptCheckpointError(f"peer copy header of step {step} is not JSON: {exc}")
-            )
-    # Phase 3: the file bytes. The receiver accepts what the header announced even when
-    # it refused it (into a scratch), so the sender never blocks on a missing receive.
-    works, keep = [], []
-    tmp = None
-    if sending and raw:
+            in_files = _check_header(json.loads(bytes(header.numpy())), step, cap)
+        except ValueError as exc:
+            error = CorruptCheckpointError(f"peer copy header of step {step} is not JSON: {exc}")
+        except CorruptCheckpointError as exc:
+            error = exc
+    # 3. the receiver's answer to a sender that announced a copy
+    accept = torch.tensor([int(n_in > 0 and error is None)], dtype=torch.int64)
+    accepted = torch.zeros(1, dtype=torch.int64)
+    _post(group, [(accept, recv_from)] if n_in > 0 else [], [(accepted, send_to)] if raw else [])
+    # 4. the files, straight from the sender's mapped files into the receiver's
+    sends, recvs, tmp = [], [], None
+    if raw and accepted.item():
         for name, size in files:
             if size:
-                t = _map(os.path.join(send_path, name), size, write=False)
-                keep.append(t)
-                works.append(dist.isend(t, group=group, group_dst=send_to))
-    if receiving and in_len.item() > 0:
-        announced = in_files
-        if error is not None:
-            try:
-                announced = json.loads(bytes(header_in.numpy())).get("files", [])
-            except Exception:  # noqa: BLE001 - nothing decodable: the sender sends no files
-                announced = []
-        if error is None:
-            assert store is not None and recv_src is not None
-            os.makedirs(store.kind_dir(recv_kind, recv_src), mode=0o700, exist_ok=True)
-            tmp = store.new_tmp(recv_kind, recv_src, step)
-        for entry in announced:
-            try:
-                size = int(entry[1])
-            except Exception:  # noqa: BLE001
-                continue
-            if size <= 0:
-                if tmp is not None:
-                    open(os.path.join(tmp, entry[0]), "wb").close()
-                continue
-            if tmp is not None:
-                t = _map(os.path.join(tmp, entry[0]), size, write=True)
+                sends.append((_map(os.path.join(send_path, name), size, write=False), send_to))
+    if accept.item():
+        assert store is not None and recv_src is not None
+        os.makedirs(store.kind_dir(recv_kind, recv_src), mode=0o700, exist_ok=True)
+        tmp = store.new_tmp(recv_kind, recv_src, step)
+        for name, size in in_files:
+            path = os.path.join(tmp, name)
+            if size:
+                recvs.append((_map(path, size, write=True), recv_from))
             else:
-                t = torch.empty(size, dtype=torch.uint8)  # drained and dropped
-            keep.append(t)
-            works.append(dist.irecv(t, group=group, group_src=recv_from))
-    for w in works:
-        w.wait()
-    keep.clear()
-    if not receiving or in_len.item() <= 0:
-        return None
-    assert store is not None and recv_src is not None
-    if error is not None or tmp is None:
+                open(path, "wb").close()
+    try:
+        _post(group, sends, recvs)
+    except BaseException:
         if tmp is not None:
             store._remove(tmp)
-        raise error or CorruptCheckpointError(f"peer copy of step {step} refused")
+        raise
+    sends.clear()
+    recvs.clear()  # unmaps the received files
+    if error is not None:
+        raise error
+    if tmp is None:
+        return None
     if store.check_copy(tmp, recv_src, step) is None:
         store._remove(tmp)
         raise CorruptCheckpointError(

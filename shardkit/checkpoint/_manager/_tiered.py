@@ -68,6 +68,11 @@ class TierEngine:
             raise TypeError(
                 f"local_tier must be a LocalTier(...) or None, got {type(options).__name__}"
             )
+        if mgr.read_only:
+            raise ValueError(
+                f"CheckpointManager({mgr.path!r}, read_only=True) cannot keep a local tier "
+                "(it saves copies); pass local_tier=None to read, or read_only=False"
+            )
         self.mgr = mgr
         self.options = options
         self.world = len(mgr._ranks)
@@ -188,7 +193,8 @@ class TierEngine:
                 buf = self._staged.get(key)
                 if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                     buf = torch.empty(src.shape, dtype=src.dtype)
-                    self._staged[key] = buf
+                    with self._lock:  # tier_memory() reads it from the training thread
+                        self._staged[key] = buf
                 if src.device.type == "cpu":
                     copy_into(buf, src)
                     if snapshot is not None:
@@ -201,8 +207,9 @@ class TierEngine:
             torch.cuda.synchronize()
             for key in cuda:
                 snapshot.check(key)
-        for key in [k for k in self._staged if k not in flat.tensors]:
-            del self._staged[key]
+        with self._lock:
+            for key in [k for k in self._staged if k not in flat.tensors]:
+                del self._staged[key]
         self._track()
         return out
 
@@ -248,7 +255,8 @@ class TierEngine:
     def memory(self) -> dict[str, int]:
         local = self.store.bytes_of("local", self.rank)
         replica = self.store.bytes_of("replica", self.source)
-        staging = sum(t.numel() * t.element_size() for t in self._staged.values())
+        with self._lock:
+            staging = sum(t.numel() * t.element_size() for t in self._staged.values())
         peak = max(self._peak, local + replica + staging)
         return {"local": local, "replica": replica, "staging": staging, "peak": peak}
 
@@ -335,7 +343,13 @@ class TierEngine:
                 self.last_restore = RestoreInfo(
                     step, tiers[self.rank], tiers, time.perf_counter() - start
                 )
-                if self.rank == 0:
+                fell_back = [r for r, t in enumerate(tiers) if t == "persistent"]
+                if self.rank == 0 and fell_back:
+                    log.warning(
+                        "restored step %d; rank(s) %s read the persistent tier (no usable RAM "
+                        "copy); tier by rank: %s", step, fell_back, tiers,
+                    )  # fmt: skip
+                elif self.rank == 0:
                     log.info("restored step %d; tier by rank: %s", step, tiers)
                 self.last_step = step
                 self._drop_newer(step)
