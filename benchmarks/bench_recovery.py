@@ -19,7 +19,8 @@ kill to the end of the first resumed step on the slowest rank, broken down into 
 (kill -> new process), rendezvous (process start -> process group, imports included),
 setup (model, optimizer, manager), restore and first step; the tier each rank used; lost
 work (steps computed before the kill that are redone); per-step time before the kill
-(steps without a storage save), ram vs persistent. One JSON line.
+(steps without a storage save), ram vs persistent; the RAM tier's peak memory per rank
+after the restart (``tier_memory()["peak"]``). One JSON line.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def worker(args: argparse.Namespace) -> None:
             lost = None if restored is None else args.kill_at - 1 - restored
             record = {"attempt": clock.restart_count, "rank": rank, "restored": restored}
             record.update(tier=tier, lost_steps=lost, layers=layers, **clock.breakdown())
+            if args.variant == "ram":
+                record["tier_memory"] = mgr.tier_memory()
             _append(args.result, record)
             break
     mgr.close()
@@ -186,6 +189,9 @@ def _summary(runs: list[list[dict]]) -> dict:
     out["tiers"] = sorted({t for ts in tiers for t in ts})
     out["lost_steps"] = statistics.median(x for x in lost if x is not None) if any(lost) else 0
     out["step_s"] = statistics.median(times) if times else None
+    peaks = [r["tier_memory"]["peak"] for rs in runs for r in rs if "tier_memory" in r]
+    if peaks:  # what the RAM tier held at most on one rank: copies + replicas + staging
+        out["tier_peak_mib"] = max(peaks) / 2**20
     return out
 
 
