@@ -235,7 +235,8 @@ def _restart_line(report: dict) -> str:
     total = sum(slowest.get(p, 0.0) for p in phases)
     return (
         f"{report['restart_count']:<11} resumed step {ranks[0]['step']} from: {tiers}\n"
-        f"                      kill -> first resumed step {total:.2f} s ({parts})"
+        f"                      {'kill' if 'restart' in slowest else 'start'} -> "
+        f"first resumed step {total:.2f} s ({parts})"
     )
 
 

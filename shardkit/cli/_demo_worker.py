@@ -227,7 +227,8 @@ def _recovery_report(clock, rank: int, world: int, resumed, tier) -> list[dict]:
     where = f"step {resumed} from the {tier} tier" if resumed is not None else "nothing (step 0)"
     print(
         f"[shardkit demo] rank {rank} restart {clock.restart_count}: restored {where}; "
-        f"kill -> first step {clock.total():.2f} s ({parts})",
+        f"{'kill' if clock.killed_at is not None else 'start'} -> first step "
+        f"{clock.total():.2f} s ({parts})",
         flush=True,
     )
     if world == 1:
