@@ -6,6 +6,9 @@ node. The only addresses involved are the two the test gives its own namespaces
 rendezvous, gloo and checkpoint-coordination traffic crosses the veth pair and nothing
 else. Both nodes train, rank 0 is preempted by a real SIGTERM, both checkpoint the same
 step into the shared --out directory, and a second torchrun on each node resumes from it.
+The RAM-tier tests below run `two_machine_tiers.py` the same way (one rank per machine):
+a lost machine restores from its peer's replica without storage, and a shard whose two
+copies are both lost falls back to storage.
 Skipped, with the reason, where namespaces cannot be created (not root, no iproute2).
 """
 
