@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# stage 2: rank 1 is SIGKILLed at step 60; torchrun restarts the job, which resumes from RAM
 demo: $(STAMP)
 	$(BIN)/shardkit demo
+	$(BIN)/shardkit demo --no-preempt --steps 120 --max-restarts 1 --kill-rank 1 --kill-at-step 60
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -5,6 +5,12 @@ halfway through rank 0 receives a real SIGTERM: the ranks agree on the step, che
 and exit. Phase 2 is a fresh torchrun that resumes from the latest step, finishes,
 consolidates the model into one safetensors file and evaluates it. The launcher then
 prints a summary from the JSON report rank 0 wrote.
+
+With --max-restarts N torchrun restarts the ranks after a failure (up to N times) and
+they resume from the newest step every rank can get: the RAM tier (--local-every, on by
+default then), a peer's replica, or storage. --kill-rank R --kill-at-step S makes rank R
+SIGKILL itself before step S on the first attempt, to show it: each rank prints the tier
+it restored from and the time from the kill to its first resumed step.
 """
 
 from __future__ import annotations
@@ -57,6 +63,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", default=None, help="work directory (default: a new temporary directory)"
     )
+    restart = parser.add_argument_group("automatic restart (torchrun's elastic restart)")
+    restart.add_argument(
+        "--max-restarts", type=int, default=0, help="restarts torchrun may make (0)"
+    )
+    restart.add_argument(
+        "--kill-rank", type=int, default=None, help="this rank SIGKILLs itself (first attempt)"
+    )
+    restart.add_argument("--kill-at-step", type=int, default=None, help="... before this step")
+    restart.add_argument(
+        "--local-every",
+        type=int,
+        default=None,
+        help="RAM tier every N steps; 0 turns it off (default: 1 with --max-restarts, else 0)",
+    )
+    restart.add_argument(
+        "--local-dir", default=None, help="RAM tier directory on each machine (/dev/shm)"
+    )
     multi = parser.add_argument_group("multiple machines (passed to torchrun)")
     multi.add_argument("--nnodes", type=_positive, default=1)
     multi.add_argument("--node-rank", type=int, default=0)
@@ -74,6 +97,8 @@ def _free_port() -> int:
 def torchrun_command(args: argparse.Namespace, port: int, worker_args: list[str]) -> list[str]:
     """The ``python -m torch.distributed.run ...`` command line for one phase."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    if getattr(args, "max_restarts", 0):
+        cmd += ["--max-restarts", str(args.max_restarts)]
     if args.nnodes == 1:
         endpoint = f"{args.master_addr or '127.0.0.1'}:{port}"
         cmd += ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
@@ -96,10 +121,38 @@ def _check(args: argparse.Namespace) -> None:
             raise CliError(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1}")
     if args.hook != "none" and args.strategy != "ddp":
         raise CliError(f"--hook {args.hook} applies to --strategy ddp only, not {args.strategy}")
+    _check_restart(args)
     if args.batch_size < args.nproc * args.nnodes:
         raise CliError(
             f"--batch-size {args.batch_size} is smaller than the number of ranks "
             f"({args.nproc * args.nnodes})"
+        )
+
+
+def _check_restart(args: argparse.Namespace) -> None:
+    if args.max_restarts < 0:
+        raise CliError(f"--max-restarts {args.max_restarts} must be >= 0")
+    if args.local_every is None:
+        args.local_every = 1 if args.max_restarts > 0 else 0
+    if args.local_every < 0:
+        raise CliError(f"--local-every {args.local_every} must be >= 0 (0 turns the tier off)")
+    if args.local_every and args.hook == "powersgd":
+        raise CliError(
+            "--hook powersgd keeps per-rank memory the RAM tier does not restore yet: "
+            "add --local-every 0"
+        )
+    if (args.kill_rank is None) != (args.kill_at_step is None):
+        raise CliError("--kill-rank and --kill-at-step go together: give both or neither")
+    if args.kill_rank is None:
+        return
+    world = args.nproc * args.nnodes
+    if not 0 <= args.kill_rank < world:
+        raise CliError(f"--kill-rank {args.kill_rank} is outside the ranks 0..{world - 1}")
+    if not 1 <= args.kill_at_step < args.steps:
+        raise CliError(f"--kill-at-step {args.kill_at_step} is outside 1..{args.steps - 1}")
+    if args.max_restarts < 1:
+        raise CliError(
+            f"--kill-rank {args.kill_rank} needs --max-restarts 1 or more, or the run just fails"
         )
 
 
@@ -151,6 +204,8 @@ def summarize(reports: list[dict], wall: float) -> str:
         if r["preempted_at"] is not None:
             note += f", preempted (SIGTERM) at step {r['preempted_at']}"
         lines.append(f"  phase {r['phase']}             {note}")
+        if r.get("recovery"):
+            lines.append("  restart " + _restart_line(r))
     acc = last["accuracy"]
     lines.append(f"  accuracy            {acc:.4f} (held-out digits)" if acc is not None else "")
     if times:
@@ -170,6 +225,21 @@ def summarize(reports: list[dict], wall: float) -> str:
     return "\n".join(line for line in lines if line)
 
 
+def _restart_line(report: dict) -> str:
+    """``restart`` summary line: tiers per rank, the slowest rank's breakdown."""
+    ranks = report["recovery"]
+    tiers = ", ".join(f"rank {r['rank']} {r['tier']}" for r in ranks)
+    phases = ("restart", "rendezvous", "setup", "restore", "first_step")
+    slowest = max(ranks, key=lambda r: sum(r.get(p, 0.0) for p in phases))
+    parts = ", ".join(f"{p.replace('_', ' ')} {slowest[p]:.2f} s" for p in phases if p in slowest)
+    total = sum(slowest.get(p, 0.0) for p in phases)
+    return (
+        f"{report['restart_count']:<11} resumed step {ranks[0]['step']} from: {tiers}\n"
+        f"                      {'kill' if 'restart' in slowest else 'start'} -> "
+        f"first resumed step {total:.2f} s ({parts})"
+    )
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run both phases and print the summary; returns the exit code."""
     _check(args)
@@ -181,11 +251,18 @@ def run_demo(args: argparse.Namespace) -> int:
         raise CliError(f"{ckpt_dir} already holds checkpoints; pass an empty --out directory")
     os.makedirs(out, exist_ok=True)
     report = os.path.join(out, "report.jsonl")
-    if args.node_rank == 0 and os.path.exists(report):
-        os.remove(report)
+    if args.node_rank == 0:
+        for stale in (report, os.path.join(out, "kill.json")):
+            if os.path.exists(stale):
+                os.remove(stale)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if args.max_restarts:
+        # torchrun's c10d rendezvous shares its TCP store with the ranks' process group by
+        # default, and a restarted rank can then read its predecessor's stale gloo address
+        # (pytorch/pytorch#135712): a fresh store per attempt avoids it.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if args.nnodes == 1 and sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on loopback (macOS calls it lo0)
     worker = [
@@ -193,7 +270,12 @@ def run_demo(args: argparse.Namespace) -> int:
         *("--batch-size", str(args.batch_size), "--lr", str(args.lr)),
         *("--save-every", str(args.save_every), "--ckpt-dir", ckpt_dir),
         *("--out-file", os.path.join(out, "model.safetensors"), "--report", report),
+        *("--local-every", str(args.local_every), "--kill-file", os.path.join(out, "kill.json")),
     ]
+    if args.local_dir is not None:
+        worker += ["--local-dir", args.local_dir]
+    if args.kill_rank is not None:
+        worker += ["--kill-rank", str(args.kill_rank), "--kill-at-step", str(args.kill_at_step)]
     print(f"[shardkit demo] work directory {out}", flush=True)
     base_port = args.master_port
     if args.no_preempt:

@@ -22,10 +22,29 @@ __all__ = ["DemoCheckpoints"]
 class DemoCheckpoints:
     """Save, restore, preemption and consolidation for the demo's training loop."""
 
-    def __init__(self, path: str, save_interval: int, hook_state=None) -> None:
+    def __init__(
+        self,
+        path: str,
+        save_interval: int,
+        hook_state=None,
+        *,
+        local_every: int = 0,
+        local_dir: str | None = None,
+    ) -> None:
         self.path = path
-        self.mgr = CheckpointManager(path, save_interval, max_to_keep=2)
+        extra = {}
+        if local_every > 0:  # the RAM tier (node-local copy + a peer's replica)
+            if hook_state is not None:
+                raise ValueError(
+                    "the RAM tier does not restore PowerSGD's per-rank memory yet: "
+                    "run --hook powersgd with --local-every 0"
+                )
+            from ..checkpoint import LocalTier
+
+            extra["local_tier"] = LocalTier(interval=local_every, directory=local_dir)
+        self.mgr = CheckpointManager(path, save_interval, max_to_keep=2, **extra)
         self.hook_state = hook_state  # a PowerSGDState, checkpointed with the model
+        self._restored = False
 
     def _state(self, module, optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(module, optimizer)
@@ -36,6 +55,7 @@ class DemoCheckpoints:
 
     def restore_latest(self, module, optimizer) -> int | None:
         """Load the latest committed step into ``module``/``optimizer``; its number."""
+        self._restored = False
         step = self.mgr.latest_step()
         if step is None:
             return None
@@ -50,7 +70,15 @@ class DemoCheckpoints:
         )
         if self.hook_state is not None:
             _set_powersgd_state(self.hook_state, state["powersgd"])
+        self._restored = True
         return step
+
+    def restored_tier(self, rank: int) -> str | None:
+        """The tier ``rank`` restored from at the last restore: local, peer or persistent."""
+        info = getattr(self.mgr, "last_restore", None)
+        if info is None:
+            return "persistent" if self._restored else None
+        return info.tiers_by_rank[rank]
 
     def save(self, step: int, module, optimizer, *, force: bool = False) -> float | None:
         """Save asynchronously when due (or forced, or preempted).

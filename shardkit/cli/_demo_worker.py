@@ -5,6 +5,12 @@ one, trains until ``--steps`` or until a preemption (SIGTERM) is agreed on by al
 and saves asynchronously every ``--save-every`` steps. After the last step it saves,
 consolidates the model to one safetensors file and evaluates it on the held-out split.
 Global rank 0 appends one JSON line per phase to ``--report`` for the launcher.
+
+Fault injection for torchrun's elastic restart (``--max-restarts``): with ``--kill-rank R
+--kill-at-step S`` rank R SIGKILLs itself before step S on the first attempt only
+(``TORCHELASTIC_RESTART_COUNT == 0``). torchrun then restarts every rank; each resumes from
+the newest step every rank can get (RAM tier first) and prints the tier it used and the
+time from the kill to its first resumed step, broken down.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from ._demo_parts import (
     load_digits_split,
     make_mlp,
 )
+from ._demo_restart import RecoveryClock
 
 __all__ = ["main"]
 
@@ -49,7 +56,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-file", required=True, help="consolidated safetensors file")
     p.add_argument("--report", required=True, help="JSON lines file written by rank 0")
     p.add_argument("--phase", type=int, default=1)
+    p.add_argument("--local-every", type=int, default=0, help="RAM tier interval (0: off)")
+    p.add_argument("--local-dir", default=None, help="RAM tier directory (default /dev/shm)")
+    p.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself...")
+    p.add_argument("--kill-at-step", type=int, default=-1, help="...before this step")
+    p.add_argument("--kill-file", default=None, help="where the killed rank notes the time")
     return p.parse_args(argv)
+
+
+def _kill_self(args: argparse.Namespace, rank: int, step: int) -> None:
+    """SIGKILL this rank before ``step``, on the first attempt only, noting when."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if args.kill_file:
+        with open(args.kill_file, "w") as f:
+            f.write(json.dumps({"rank": rank, "step": step, "time": time.time()}))
+            f.flush()
+            os.fsync(f.fileno())
+    print(f"[shardkit demo] rank {rank}: SIGKILL before step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _progress(total: int, initial: int, phase: int, enabled: bool):
@@ -89,7 +114,9 @@ def _evaluate(out_file: str, x_test, y_test) -> float:
 def run(args: argparse.Namespace) -> dict:
     """Train one phase; returns the report dict (meaningful on global rank 0)."""
     counter = CommCounter().install()
+    clock = RecoveryClock(args.kill_file)
     device = _init_process_group()
+    clock.mark("rendezvous")
     rank, world = xr.global_ordinal(), xr.world_size()
     lead = rank == 0
     if args.batch_size < world:
@@ -99,10 +126,19 @@ def run(args: argparse.Namespace) -> dict:
     model = make_mlp(args.seed).to(device)
     strategy = build_strategy(args.strategy, args.hook, model, args.lr)
     model, optimizer = strategy.module, strategy.optimizer
-    ckpts = DemoCheckpoints(args.ckpt_dir, args.save_every, strategy.hook_state)
+    ckpts = DemoCheckpoints(
+        args.ckpt_dir,
+        args.save_every,
+        strategy.hook_state,
+        local_every=args.local_every,
+        local_dir=args.local_dir,
+    )
+    clock.mark("setup")
 
     start = 0
     resumed = ckpts.restore_latest(model, optimizer)
+    clock.mark("restore")
+    tier = ckpts.restored_tier(rank)
     if resumed is not None:
         start = resumed + 1
         if lead:
@@ -111,7 +147,10 @@ def run(args: argparse.Namespace) -> dict:
     step_times, block_times, preempted_at, loss = [], [], None, float("nan")
     bar = _progress(args.steps, start, args.phase, lead)
     step = start - 1
+    recovery = None
     for step in range(start, args.steps):
+        if rank == args.kill_rank and step == args.kill_at_step:
+            _kill_self(args, rank, step)
         if lead and step == args.preempt_at:
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal, as a scheduler sends it
         t0 = time.perf_counter()
@@ -127,6 +166,9 @@ def run(args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # time the step, not its launch
         step_times.append(time.perf_counter() - t0)
+        if step == start and clock.restarted:
+            clock.mark("first_step")
+            recovery = _recovery_report(clock, rank, world, resumed, tier)
         if step % 10 == 0 or step == args.steps - 1:
             loss = strategy.scalar(loss_t.detach())
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
@@ -156,6 +198,9 @@ def run(args: argparse.Namespace) -> dict:
         "comm_calls": counter.calls,
         "final_loss": loss,
         "accuracy": None,
+        "restart_count": clock.restart_count,
+        "restored_tier": tier,
+        "recovery": recovery,
     }
     if preempted_at is not None:
         if lead:
@@ -171,6 +216,26 @@ def run(args: argparse.Namespace) -> dict:
         with open(args.report, "a") as f:
             f.write(json.dumps(report) + "\n")
     return report
+
+
+def _recovery_report(clock, rank: int, world: int, resumed, tier) -> list[dict]:
+    """Print this rank's recovery line; every rank's breakdown, gathered (a collective)."""
+    import torch.distributed as dist
+
+    mine = {"rank": rank, "step": resumed, "tier": tier, **clock.breakdown()}
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in clock.breakdown().items())
+    where = f"step {resumed} from the {tier} tier" if resumed is not None else "nothing (step 0)"
+    print(
+        f"[shardkit demo] rank {rank} restart {clock.restart_count}: restored {where}; "
+        f"{'kill' if clock.killed_at is not None else 'start'} -> first step "
+        f"{clock.total():.2f} s ({parts})",
+        flush=True,
+    )
+    if world == 1:
+        return [mine]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,11 +6,15 @@ node. The only addresses involved are the two the test gives its own namespaces
 rendezvous, gloo and checkpoint-coordination traffic crosses the veth pair and nothing
 else. Both nodes train, rank 0 is preempted by a real SIGTERM, both checkpoint the same
 step into the shared --out directory, and a second torchrun on each node resumes from it.
+The RAM-tier tests below run `two_machine_tiers.py` the same way (one rank per machine):
+a lost machine restores from its peer's replica without storage, and a shard whose two
+copies are both lost falls back to storage.
 Skipped, with the reason, where namespaces cannot be created (not root, no iproute2).
 """
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -113,3 +117,124 @@ def test_demo_trains_checkpoints_and_resumes_across_two_namespaces(namespaces, t
         assert int(sent.stdout) > 100_000, (node, sent.stdout, sent.stderr)
     steps = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert steps == ["step_00000030", "step_00000039"]  # the demo keeps the newest two
+
+
+# --- a lost machine and the RAM tier (issue 18) -------------------------------------------
+# One rank per namespace, so rank 1's peer (the replica of its shard) is rank 0 on the
+# other "machine". Each machine has its own RAM-tier directory (the namespaces share
+# /dev/shm); the storage directory is shared. Phase 1 saves steps 0..7 (RAM every step,
+# storage at 0 and 5), then both machines' processes are SIGKILLed (node A's too: under
+# torchrun --max-restarts its ranks would be restarted as well; the RAM tier outlives them).
+
+TIERS_SCRIPT = os.path.join(os.path.dirname(__file__), "two_machine_tiers.py")
+TIERS_STEPS = 8
+
+
+def _tier_phase(ns, veth, port, args, *, wait_for=None):
+    """Run the script on both nodes; with ``wait_for``, return once each printed it."""
+    procs = []
+    for node in range(2):
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=veth[node], OMP_NUM_THREADS="1")
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = [
+            *("ip", "netns", "exec", ns[node], sys.executable, "-m", "torch.distributed.run"),
+            *("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1"),
+            *("--master-addr", ADDR[0], "--master-port", str(port), TIERS_SCRIPT),
+            *args(node),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                start_new_session=True,  # one process group per "machine", to kill it whole
+            )
+        )
+    if wait_for is not None:
+        seen = []
+        for p in procs:
+            lines = []
+            for line in p.stdout:  # blocks until the line comes or the process ends
+                lines.append(line)
+                if line.startswith(wait_for):
+                    break
+            seen.append("".join(lines))
+        return procs, seen
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        _kill(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(outs)
+    return procs, outs
+
+
+def _kill(procs):
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+
+
+def _train_then_lose_both_machines(ns, veth, tmp_path):
+    storage, ram = tmp_path / "storage", [tmp_path / "ram_a", tmp_path / "ram_b"]
+    procs, seen = _tier_phase(
+        ns,
+        veth,
+        29521,
+        lambda node: ["train", str(storage), str(ram[node]), str(TIERS_STEPS)],
+        wait_for="READY",
+    )
+    try:
+        workers = []
+        for node, text in enumerate(seen):
+            assert f"READY {node} " in text, f"node {node}:\n{text[-4000:]}"
+            workers.append(int(text.split(f"READY {node} ")[1].split()[0]))
+        for pid in workers[::-1]:  # machine B's rank first, then A's
+            os.kill(pid, signal.SIGKILL)  # torchrun starts its ranks in their own session
+    finally:
+        _kill(procs[::-1])
+    steps = sorted(p.name for p in storage.iterdir() if p.name.startswith("step_"))
+    assert steps == ["step_00000000", "step_00000005"]  # storage never had steps 6 and 7
+    for node in range(2):  # each machine holds its own copy and its peer's replica of 7
+        other = 1 - node
+        assert (ram[node] / "local" / f"rank_{node:05d}" / "step_00000007").is_dir()
+        assert (ram[node] / "replica" / f"rank_{other:05d}" / "step_00000007").is_dir()
+    return storage, ram
+
+
+def _snapshot(root):
+    return {
+        os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+        for d, _, files in os.walk(root)
+        for f in files
+    }
+
+
+def test_lost_machine_restores_from_the_peer_replica_without_storage(namespaces, tmp_path):
+    ns, veth = namespaces
+    storage, ram = _train_then_lose_both_machines(ns, veth, tmp_path)
+    shutil.rmtree(ram[1])  # machine B is gone: its RAM with it
+    before = _snapshot(storage)
+    _, outs = _tier_phase(ns, veth, 29522, lambda node: ["restore", str(storage), str(ram[node])])
+    text = "\n".join(outs)
+    # step 7 exists only in RAM: rank 0 from its own copy, rank 1 from the replica on A
+    assert "RESTORED 0 7 local local,peer" in outs[0], text[-4000:]
+    assert "RESTORED 1 7 peer local,peer" in outs[1], text[-4000:]
+    assert _snapshot(storage) == before  # storage was not written to
+    leftovers = [f for r in ram if r.exists() for f in _snapshot(r)]
+    assert leftovers == []  # the clean exit removed the copies (B's re-made one included)
+
+
+def test_both_copies_of_a_shard_lost_falls_back_to_storage(namespaces, tmp_path):
+    ns, veth = namespaces
+    storage, ram = _train_then_lose_both_machines(ns, veth, tmp_path)
+    shutil.rmtree(ram[1] / "local" / "rank_00001")  # rank 1's own copies, on machine B
+    shutil.rmtree(ram[0] / "replica" / "rank_00001")  # and their replicas, on machine A
+    _, outs = _tier_phase(ns, veth, 29523, lambda node: ["restore", str(storage), str(ram[node])])
+    text = "\n".join(outs)
+    # RAM has no step of rank 1 left (nor step 5 of rank 0: it keeps 6 and 7), so every
+    # rank reads storage's step 5
+    assert "RESTORED 0 5 persistent persistent,persistent" in outs[0], text[-4000:]
+    assert "RESTORED 1 5 persistent persistent,persistent" in outs[1], text[-4000:]
