@@ -72,6 +72,8 @@ class CheckpointManager:
             rewritten but referenced. Retention keeps every file a kept step references.
             Off by default: a step directory is then no longer self-contained (copy it
             with ``shardkit ckpt materialize``). See docs/checkpoint-manager.md.
+        verify_replicas: as in :func:`shardkit.checkpoint.save`: compare the ranks'
+            copies of replicated tensors at every save (False: skip the check).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class CheckpointManager:
         take_over_lease: bool = False,
         num_of_threads: int = 1,
         incremental: bool = False,
+        verify_replicas: bool = True,
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"path must be a non-empty str or os.PathLike URL, got {path!r}")
@@ -125,6 +128,9 @@ class CheckpointManager:
         if not isinstance(incremental, bool):
             raise TypeError(f"incremental must be a bool, got {incremental!r}")
         self.incremental = incremental
+        if not isinstance(verify_replicas, bool):
+            raise TypeError(f"verify_replicas must be True or False, got {verify_replicas!r}")
+        self.verify_replicas = verify_replicas
         policies = [LatestN(self.max_to_keep)] if self.max_to_keep else []
         policies += [preservation_policy] if preservation_policy is not None else []
         self.preservation_policy = (
