@@ -147,9 +147,7 @@ def _switch_body(tmp):
         f"{tmp}/capped",
     )
     out["capped"] = (len(warned), torch.equal(w, _two(0)))
-    out["capped_files"] = sorted(
-        n for n in os.listdir(f"{tmp}/capped") if n.startswith("data-")
-    )
+    out["capped_files"] = sorted(n for n in os.listdir(f"{tmp}/capped") if n.startswith("data-"))
     # async_save (checks before staging), on and off
     for name, flag in (("async_on", True), ("async_off", False)):
         warned, w = saved(

@@ -19,6 +19,7 @@ in a collective the save runs anyway:
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -128,17 +129,35 @@ def block_sums(view: memoryview, item: WriteItem) -> list[str]:
 
 
 class Shadows:
-    """Hashes this rank's copies of the pieces other ranks write, in the background."""
+    """Hashes this rank's copies of the pieces other ranks write, on background threads.
+
+    With a spare core per rank the hashing starts at once, beside the write. Without one
+    it starts when ``start()`` is called: once this rank has handed all bytes of a data
+    file to the writer, which then waits for the disk (fsync, an upload) with the CPU
+    idle, so the hashing does not compete with copying the data into the page cache.
+    """
 
     def __init__(self, items: list[WriteItem], data) -> None:
+        self._items, self._data = items, data
+        self._lock = threading.Lock()
+        self._futures: list[tuple[WriteItem, Future]] | None = None
         self._pool = ThreadPoolExecutor(min(_cores(), max(1, len(items))), "shardkit-replicas")
-        self._futures: list[tuple[WriteItem, Future]] = [
-            (item, self._pool.submit(lambda i=item: block_sums(_bytes_view(data(i)), i)))
-            for item in items
-        ]
+        if _cores() > 1:
+            self.start()
+
+    def start(self) -> None:
+        """Start hashing (once; later calls do nothing)."""
+        with self._lock:
+            if self._futures is None:
+                self._futures = [
+                    (i, self._pool.submit(lambda i=i: block_sums(_bytes_view(self._data(i)), i)))
+                    for i in self._items
+                ]
 
     def result(self) -> list[list]:
         """``[key, offsets, sizes, sums]`` per piece (waits; re-raises a hashing error)."""
+        self.start()
+        assert self._futures is not None
         try:
             return [
                 [i.key, list(i.box.offsets), list(i.box.sizes), f.result()]
@@ -148,6 +167,9 @@ class Shadows:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
     def cancel(self) -> None:
+        """Stop: drop the pieces not started, wait for the running ones."""
+        with self._lock:
+            self._futures = self._futures or []
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 

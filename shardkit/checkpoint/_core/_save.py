@@ -271,8 +271,14 @@ def _tensor_name(item: WriteItem) -> str:
 
 
 def _write_file(
-    writer: StorageWriter, name: str, items: list[WriteItem], data: Callable
+    writer: StorageWriter,
+    name: str,
+    items: list[WriteItem],
+    data: Callable,
+    handed_over: Callable[[], None] | None = None,
 ) -> tuple[list[dict], int]:
+    """Write one data file; ``handed_over`` is called once the writer has all its bytes
+    (it then syncs or uploads them)."""
     tensors = [data(item) for item in items]
     header = safetensors_header([(_tensor_name(i), i.dtype, i.box.sizes, i.nbytes) for i in items])
     records, views, pos = [], [], len(header)
@@ -311,6 +317,8 @@ def _write_file(
                     yield piece
                 sums.append(digest.hexdigest())
             rec["xxh3_64"] = sums
+        if handed_over is not None:
+            handed_over()
 
     writer.write_file(name, pieces())
     if any("xxh3_64" not in rec for rec in records):
@@ -327,13 +335,15 @@ def live_data(planner: SavePlanner) -> Callable[[WriteItem], torch.Tensor]:
     return get
 
 
-def _write_data(job: SaveJob, writer: StorageWriter, data: Callable) -> tuple[list, dict, dict]:
+def _write_data(
+    job: SaveJob, writer: StorageWriter, data: Callable, handed_over: Callable | None = None
+) -> tuple[list, dict, dict]:
     """Write this rank's data files: (chunk records, file sizes, linked files)."""
     records, sizes, linked = [], {}, {}
     if job.base is not None:
         records, linked = _reuse_base(job, writer, data)
     with ThreadPoolExecutor(max(1, min(len(job.files), writer.thread_count))) as pool:
-        futures = [pool.submit(_write_file, writer, n, i, data) for n, i in job.files]
+        futures = [pool.submit(_write_file, writer, n, i, data, handed_over) for n, i in job.files]
         for (name, _), fut in zip(job.files, futures):
             recs, size = fut.result()
             records += recs
@@ -345,8 +355,9 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
     """Write this rank's files, agree that every rank succeeded, commit (collective).
 
     With the after-write replica check, this rank's copies of the pieces other ranks
-    write are hashed on another thread while it writes; the digests go with the write
-    agreement, to be compared with the writers' block checksums.
+    write are hashed on another thread while it writes (or while its writer syncs, see
+    ``Shadows``); the digests go with the write agreement, to be compared with the
+    writers' block checksums.
     """
     error, payload, shadows = None, None, None
     try:
@@ -354,7 +365,8 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
             raise job.error
         if job.replicas is not None and job.replicas.shadows:
             shadows = Shadows(job.replicas.shadows, data)
-        records, sizes, linked = _write_data(job, writer, data)
+        start = shadows.start if shadows is not None else None
+        records, sizes, linked = _write_data(job, writer, data, start)
         payload = {"chunks": records, "files": sizes, "linked": linked}
         if shadows is not None:
             payload["replicas"] = shadows.result()
