@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from ._planner import SavePlan, WriteItem
 
 __all__ = [
     "ReplicaPlan",
+    "ReplicaStats",
+    "STATS",
     "Shadows",
     "check_verify_replicas",
     "holder_box",
@@ -128,6 +131,19 @@ def block_sums(view: memoryview, item: WriteItem) -> list[str]:
     return [xxhash.xxh3_64_hexdigest(view[s : s + block]) for s in range(0, len(view), block)]
 
 
+@dataclass
+class ReplicaStats:
+    """Counters of the after-write check, per process and cumulative (for benchmarks)."""
+
+    hashed_bytes: int = 0  # bytes of other ranks' pieces hashed here
+    hash_cpu_s: float = 0.0  # CPU time of that hashing (its threads)
+    waited_s: float = 0.0  # time the saves waited for it after writing their own files
+
+
+STATS = ReplicaStats()
+_stats_lock = threading.Lock()
+
+
 class Shadows:
     """Hashes this rank's copies of the pieces other ranks write, on background threads.
 
@@ -149,15 +165,21 @@ class Shadows:
         """Start hashing (once; later calls do nothing)."""
         with self._lock:
             if self._futures is None:
-                self._futures = [
-                    (i, self._pool.submit(lambda i=i: block_sums(_bytes_view(self._data(i)), i)))
-                    for i in self._items
-                ]
+                self._futures = [(i, self._pool.submit(self._hash, i)) for i in self._items]
+
+    def _hash(self, item: WriteItem) -> list[str]:
+        start = time.thread_time()
+        sums = block_sums(_bytes_view(self._data(item)), item)
+        with _stats_lock:
+            STATS.hashed_bytes += item.nbytes
+            STATS.hash_cpu_s += time.thread_time() - start
+        return sums
 
     def result(self) -> list[list]:
         """``[key, offsets, sizes, sums]`` per piece (waits; re-raises a hashing error)."""
         self.start()
         assert self._futures is not None
+        start = time.perf_counter()
         try:
             return [
                 [i.key, list(i.box.offsets), list(i.box.sizes), f.result()]
@@ -165,6 +187,7 @@ class Shadows:
             ]
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
+            STATS.waited_s += time.perf_counter() - start
 
     def cancel(self) -> None:
         """Stop: drop the pieces not started, wait for the running ones."""
