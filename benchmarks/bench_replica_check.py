@@ -7,8 +7,8 @@
 - ``mixed``: ``benchmarks/bench_checkpoint.py``'s state, 75 % DTensor shards and 25 %
   plain tensors.
 
-Per state and repeat, the saves with the check, without it and torch.distributed.checkpoint's
-run back to back in alternating order (so load on the machine hits all of them alike).
+Per state and repeat, the saves with the check and without it run back to back, swapping
+places every round (so load on the machine hits both alike), then torch.distributed.checkpoint's.
 Prints one JSON line of medians, spreads and ratios, with the load average.
 
     .venv/bin/python benchmarks/bench_replica_check.py             # 1 GiB, 7 repeats
@@ -75,7 +75,8 @@ def _body(total_mib: int, repeats: int, root: str) -> dict:
         times: dict[str, list[float]] = {k: [] for k in runs}
         hashing = {"hashed_bytes": [], "hash_cpu_s": [], "waited_s": []}
         for r in range(repeats + 1):  # the first round warms up (page cache, allocations)
-            order = list(runs) if r % 2 else list(reversed(runs))
+            # check and no_check swap places each round; each follows torch's save equally
+            order = ["check", "no_check", "torch"] if r % 2 else ["no_check", "check", "torch"]
             for k in order:
                 before = dict(vars(STATS))
                 seconds = timed(runs[k])
