@@ -20,6 +20,11 @@ from ... import runtime
 from ...spmd.layout import Box
 from ._comm import Comm
 from ._errors import CheckpointError
+from ._file_plan import assign_files as _assign_files
+from ._file_plan import cap_files as _cap_files
+from ._file_plan import cap_items as _cap_items
+from ._file_plan import max_file_bytes
+from ._file_plan import tensor_name as _tensor_name
 from ._flatten import Flat, flatten
 from ._format import (
     METADATA_FILE,
@@ -136,61 +141,6 @@ def _refuse_pickle(flat: Flat, planner: SavePlanner) -> None:
         )
 
 
-def _assign_files(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
-    bins: list[list[WriteItem]] = [[] for _ in range(count)]
-    load = [0] * count
-    # empty items go last, by name: a reader rebuilds each file's header in this order
-    for item in sorted(items, key=lambda i: (-i.nbytes, _tensor_name(i))):
-        k = min(range(count), key=lambda b: (load[b], b))
-        bins[k].append(item)
-        load[k] += item.nbytes
-    return [b for b in bins if b]
-
-
-def _cap_items(items: list[WriteItem], cap: int | None) -> list[WriteItem]:
-    """Items cut into row pieces of at most ``cap`` bytes (at least one row each)."""
-    if cap is None:
-        return items
-    out = []
-    for item in items:
-        if item.nbytes <= cap or not item.box.ndim or item.box.sizes[0] < 2:
-            out.append(item)
-            continue
-        rows = item.box.sizes[0]
-        step = max(1, cap // max(1, item.nbytes // rows))
-        for r in range(0, rows, step):
-            offsets = (item.box.offsets[0] + r, *item.box.offsets[1:])
-            sizes = (min(step, rows - r), *item.box.sizes[1:])
-            out.append(WriteItem(item.key, Box(offsets, sizes), item.shape, item.dtype))
-    return out
-
-
-def _cap_files(bins: list[list[WriteItem]], cap: int | None) -> list[list[WriteItem]]:
-    """Each bin split, in order, into files of at most ``cap`` bytes of tensor data (a
-    single item larger than ``cap``, a one-row tensor, keeps a file of its own)."""
-    if cap is None:
-        return bins
-    files: list[list[WriteItem]] = []
-    for items in bins:
-        current, size = [], 0
-        for item in items:
-            if current and size + item.nbytes > cap:
-                files.append(current)
-                current, size = [], 0
-            current.append(item)
-            size += item.nbytes
-        files.append(current)
-    return [f for f in files if f]
-
-
-def max_file_bytes(writer: StorageWriter) -> int | None:
-    """The writer's cap on a data file's tensor bytes, checked; None for no cap."""
-    cap = getattr(writer, "max_file_bytes", None)
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise ValueError(f"{writer!r}: max_file_bytes must be a positive int or None, got {cap!r}")
-    return cap
-
-
 def prepare(
     state_dict: dict,
     planner: SavePlanner,
@@ -264,10 +214,6 @@ def _reuse_base(job: SaveJob, writer: StorageWriter, data: Callable) -> tuple[li
         job, _cap_files(_assign_files(to_write, writer.thread_count), job.file_cap)
     )
     return records, linked
-
-
-def _tensor_name(item: WriteItem) -> str:
-    return f"{item.key}@{','.join(map(str, item.box.offsets))}"
 
 
 def _write_file(
