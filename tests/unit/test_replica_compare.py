@@ -65,3 +65,21 @@ def test_a_box_written_whole_by_one_rank_keeps_that_copy_without_a_rewrite():
     mismatched, keepers, rewrite = mismatches_after_write(rp, _replies(rank3_copy="Y"))
     assert mismatched == {"w": [[2], [3]]}
     assert keepers == {("w", Box((8, 0), (8, 4))): 2} and rewrite == set()
+
+
+def test_without_a_spare_core_hashing_starts_at_the_hand_over(monkeypatch):
+    import xxhash
+
+    from shardkit.checkpoint._core import _replicas
+
+    monkeypatch.setattr(_replicas, "_cores", lambda: 1)
+    t = torch.arange(64, dtype=torch.float32).reshape(16, 4)
+    read = []
+    shadows = _replicas.Shadows([_item((0, 16))], lambda i: read.append(i) or t)
+    assert read == []  # nothing read while this rank still copies its own bytes out
+    shadows.start()
+    shadows.start()  # once only
+    got = shadows.result()
+    # one 4 MiB checksum block: the digest of all 256 bytes, as the writer records it
+    assert got == [["w", [0, 0], [16, 4], [xxhash.xxh3_64_hexdigest(t.numpy().tobytes())]]]
+    assert len(read) == 1
