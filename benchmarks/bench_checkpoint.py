@@ -10,8 +10,9 @@ tensors; fsync on for both. Prints one JSON line of medians and shardkit/torch r
     .venv/bin/python benchmarks/bench_checkpoint.py --checks-only --repeats 5
 
 ``--checks-only`` isolates the cost of the reader's safety checks (issue 15: metadata
-checksum, bounds, chunk tiling, file names, file sizes and safetensors headers) and of the
-writer's metadata seal, as a share of a whole load and save of the same state.
+checksum, bounds, chunk tiling, file names, file sizes and safetensors headers), of the
+writer's metadata seal, and of the replica check (saves with ``verify_replicas`` on and
+off, alternating), as a share of a whole load and save of the same state.
 """
 
 from __future__ import annotations
@@ -212,10 +213,16 @@ def _checks_phase(root: str, total_mib: int, repeats: int) -> dict:
     init_device_mesh("cpu", (2,))
     sd = _state(total_mib, dist.get_rank())
     out: dict = {k: [] for k in ("save", "load", "torch_save", "torch_load")}
-    out.update({"load_checks": [], "save_checks": []})
-    for _ in range(repeats):
-        out["save"].append(_timed(lambda: dcp.save(sd, checkpoint_id=f"{root}/sk"), dist.barrier))
-        join_cleanups()
+    out.update({"load_checks": [], "save_checks": [], "save_no_replica_check": []})
+    for i in range(repeats):
+        # with and without the replica check, in alternating order (same load on both)
+        for check in (True, False) if i % 2 else (False, True):
+            seconds = _timed(
+                lambda c=check: dcp.save(sd, checkpoint_id=f"{root}/sk", verify_replicas=c),
+                dist.barrier,
+            )
+            out["save" if check else "save_no_replica_check"].append(seconds)
+            join_cleanups()
         out["torch_save"].append(
             _timed(lambda: tdcp.save(sd, checkpoint_id=f"{root}/th"), dist.barrier)
         )
@@ -309,10 +316,13 @@ def main() -> None:
                           "min_max_s": spread,
                           "ratios": {"load_checks_vs_load": med["load_checks"] / med["load"],
                                      "save_checks_vs_save": med["save_checks"] / med["save"],
+                                     "replica_check_vs_save": med["save"]
+                                     / med["save_no_replica_check"] - 1,
                                      "save": med["save"] / med["torch_save"],
                                      "load": med["load"] / med["torch_load"]},
                           "targets": {"load_checks_vs_load": 0.03,
-                                      "save_checks_vs_save": 0.03}}))  # fmt: skip
+                                      "save_checks_vs_save": 0.03,
+                                      "replica_check_vs_save": 0.03}}))  # fmt: skip
         return
     if args.save_only:
         try:

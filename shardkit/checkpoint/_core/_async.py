@@ -26,6 +26,7 @@ from ._copy import copy_into
 from ._flatten import Flat, flatten
 from ._format import Metadata
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
+from ._replicas import check_verify_replicas
 from ._save import (
     SaveJob,
     base_reader,
@@ -137,6 +138,7 @@ def async_save(
     no_dist: bool = False,
     use_collectives: bool = True,
     zero_stall: bool = True,
+    verify_replicas: bool = True,
 ) -> Future:
     """Like :func:`save`, but return at once and save in the background.
 
@@ -157,6 +159,11 @@ def async_save(
     ``incremental_base`` works as in :func:`save` (the comparison with the base runs in
     the background, on the staged copy).
 
+    ``verify_replicas`` is as in :func:`save`, but compares plain tensors only, hashed
+    whole before staging (staging copies only this rank's share, so the save's own
+    checksums of the other ranks' pieces cannot be reused here); with ``zero_stall`` this
+    runs on the background thread.
+
     ``no_dist`` and ``use_collectives`` are as in :func:`save`; torch's
     ``async_checkpointer_type`` and ``async_stager`` are accepted (shardkit stages and
     writes on one background thread of this process; other choices warn once).
@@ -171,6 +178,7 @@ def async_save(
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     if not isinstance(zero_stall, bool):
         raise TypeError(f"zero_stall must be True or False, got {zero_stall!r}")
+    replicas = "before" if check_verify_replicas(verify_replicas) else "off"
     base = base_reader(writer, incremental_base)
     wait_for_inflight()
     runtime.init()  # join the world the environment describes (torchrun, SLURM)
@@ -194,8 +202,9 @@ def async_save(
         try:
             cap = max_file_bytes(writer)
             job = prepare(
-                state_dict, planner, comm, writer.thread_count, cap, flat_fn=_flat_fn(flat, error)
-            )
+                state_dict, planner, comm, writer.thread_count, cap,
+                flat_fn=_flat_fn(flat, error), replicas=replicas,
+            )  # fmt: skip
             job.base = base
             staged = _stage(job, None)
         except BaseException as exc:
@@ -222,7 +231,7 @@ def async_save(
                     cap = max_file_bytes(writer)
                     job = prepare(
                         state_dict, planner, comm, writer.thread_count, cap,
-                        flat_fn=_flat_fn(flat, None),
+                        flat_fn=_flat_fn(flat, None), replicas=replicas,
                     )  # fmt: skip
                     job.base = base
                     staged = _stage(job, snapshot)

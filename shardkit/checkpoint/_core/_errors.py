@@ -24,12 +24,13 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class ReplicaMismatchWarning(UserWarning):
-    """A plain (replicated) tensor had different values on different ranks at save.
+    """A replicated tensor (plain, or a replicated shard) differed between ranks at save.
 
-    The save keeps the lowest such rank's copy whole (never a mix of copies) and warns on
-    every rank. Turn it into an error with
+    The save keeps one rank's copy whole (never a mix of copies; the message names the
+    rank) and warns on every rank. Turn it into an error with
     ``warnings.filterwarnings("error", category=ReplicaMismatchWarning)`` on every rank:
-    the save then fails on every rank before any data is written.
+    the save then fails on every rank, removes the files it wrote and commits nothing.
+    ``verify_replicas=False`` skips the check.
     """
 
 

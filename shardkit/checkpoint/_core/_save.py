@@ -19,7 +19,12 @@ import xxhash
 from ... import runtime
 from ...spmd.layout import Box
 from ._comm import Comm
-from ._errors import CheckpointError, ReplicaMismatchWarning
+from ._errors import CheckpointError
+from ._file_plan import assign_files as _assign_files
+from ._file_plan import cap_files as _cap_files
+from ._file_plan import cap_items as _cap_items
+from ._file_plan import max_file_bytes
+from ._file_plan import tensor_name as _tensor_name
 from ._flatten import Flat, flatten
 from ._format import (
     METADATA_FILE,
@@ -37,6 +42,18 @@ from ._format import (
 )
 from ._incremental import linked_version, links_from_replies
 from ._planner import DefaultSavePlanner, SavePlan, SavePlanner, WriteItem
+from ._replicas import (
+    ReplicaPlan,
+    Shadows,
+    check_verify_replicas,
+    holder_box,
+    keep_one_copy,
+    mismatches_after_write,
+    plan_replicas,
+    replica_digests,
+    replica_mismatches,
+    warn_mismatches,
+)
 from ._storage import FileSystemWriter, StorageWriter
 from ._torch_args import check_no_dist
 
@@ -84,6 +101,12 @@ class SaveJob:
     error: BaseException | None = None
     #: most tensor bytes per data file (``max_file_bytes`` of the writer), None: no cap
     file_cap: int | None = None
+    #: data files written in parallel (the writer's ``thread_count``)
+    thread_count: int = 1
+    #: this rank's items, cut by ``file_cap`` (before an incremental save drops any)
+    items: list[WriteItem] = field(default_factory=list)
+    #: the after-write replica check (``save``); None: none
+    replicas: ReplicaPlan | None = None
 
     @property
     def is_coordinator(self) -> bool:
@@ -118,159 +141,6 @@ def _refuse_pickle(flat: Flat, planner: SavePlanner) -> None:
         )
 
 
-def _assign_files(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
-    bins: list[list[WriteItem]] = [[] for _ in range(count)]
-    load = [0] * count
-    # empty items go last, by name: a reader rebuilds each file's header in this order
-    for item in sorted(items, key=lambda i: (-i.nbytes, _tensor_name(i))):
-        k = min(range(count), key=lambda b: (load[b], b))
-        bins[k].append(item)
-        load[k] += item.nbytes
-    return [b for b in bins if b]
-
-
-def _cap_items(items: list[WriteItem], cap: int | None) -> list[WriteItem]:
-    """Items cut into row pieces of at most ``cap`` bytes (at least one row each)."""
-    if cap is None:
-        return items
-    out = []
-    for item in items:
-        if item.nbytes <= cap or not item.box.ndim or item.box.sizes[0] < 2:
-            out.append(item)
-            continue
-        rows = item.box.sizes[0]
-        step = max(1, cap // max(1, item.nbytes // rows))
-        for r in range(0, rows, step):
-            offsets = (item.box.offsets[0] + r, *item.box.offsets[1:])
-            sizes = (min(step, rows - r), *item.box.sizes[1:])
-            out.append(WriteItem(item.key, Box(offsets, sizes), item.shape, item.dtype))
-    return out
-
-
-def _cap_files(bins: list[list[WriteItem]], cap: int | None) -> list[list[WriteItem]]:
-    """Each bin split, in order, into files of at most ``cap`` bytes of tensor data (a
-    single item larger than ``cap``, a one-row tensor, keeps a file of its own)."""
-    if cap is None:
-        return bins
-    files: list[list[WriteItem]] = []
-    for items in bins:
-        current, size = [], 0
-        for item in items:
-            if current and size + item.nbytes > cap:
-                files.append(current)
-                current, size = [], 0
-            current.append(item)
-            size += item.nbytes
-        files.append(current)
-    return [f for f in files if f]
-
-
-def max_file_bytes(writer: StorageWriter) -> int | None:
-    """The writer's cap on a data file's tensor bytes, checked; None for no cap."""
-    cap = getattr(writer, "max_file_bytes", None)
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-        raise ValueError(f"{writer!r}: max_file_bytes must be a positive int or None, got {cap!r}")
-    return cap
-
-
-_HASH_SPAN = 32 << 20
-
-
-def replica_digests(flat: Flat) -> dict[str, str]:
-    """xxh3-64 of every tensor this rank holds whole (plain tensors: replicated copies).
-
-    Spans of 32 MiB are hashed on up to 8 threads (xxhash releases the GIL; at most
-    this rank's share of the host's cores), so on a many-core host the check takes a
-    fraction of the time one thread would. Tensors already in contiguous CPU memory are
-    hashed in place; any other (a GPU tensor, a strided view) is copied to the host one
-    at a time, so the check never holds more than one extra tensor.
-    """
-    in_place: dict[str, memoryview] = {}
-    copied: list[tuple[str, torch.Tensor]] = []
-    for key, leaf in flat.tensors.items():
-        if tuple(leaf.box.sizes) == tuple(leaf.shape) and not any(leaf.box.offsets):
-            t = leaf.local.detach()
-            if t.device.type == "cpu" and t.is_contiguous():
-                in_place[key] = bytes_view(t) if t.numel() else memoryview(b"")
-            else:
-                copied.append((key, t))
-    if not in_place and not copied:
-        return {}
-    cores = (os.cpu_count() or 1) // max(1, _env_int("LOCAL_WORLD_SIZE", 1))
-    with ThreadPoolExecutor(max(1, min(8, cores)), "shardkit-replica-hash") as pool:
-        out = _hash_views(in_place, pool)
-        for key, t in copied:
-            t = t.to("cpu").contiguous()
-            out.update(_hash_views({key: bytes_view(t) if t.numel() else memoryview(b"")}, pool))
-    return out
-
-
-def _hash_views(views: dict[str, memoryview], pool: ThreadPoolExecutor) -> dict[str, str]:
-    spans = [
-        (k, v[i : i + _HASH_SPAN]) for k, v in views.items() for i in range(0, len(v), _HASH_SPAN)
-    ]
-    sums = pool.map(lambda span: xxhash.xxh3_64_hexdigest(span[1]), spans)
-    out = {key: "" for key in views}
-    for (key, _), value in zip(spans, sums):
-        out[key] += value
-    return out
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-def replica_mismatches(digests: list[dict[str, str]]) -> dict[str, list[list[int]]]:
-    """Keys whose whole copies differ between ranks -> the ranks grouped by equal copy."""
-    groups: dict[str, dict[str, list[int]]] = {}
-    for rank, mine in enumerate(digests):
-        for key, digest in mine.items():
-            groups.setdefault(key, {}).setdefault(digest, []).append(rank)
-    return {
-        key: sorted(by_digest.values())
-        for key, by_digest in sorted(groups.items())
-        if len(by_digest) > 1
-    }
-
-
-def _keep_one_copy(plans: list[SavePlan], mismatched: dict[str, list[list[int]]]) -> None:
-    """Let only the lowest rank holding a differing replica write it (whole)."""
-    for key, by_copy in mismatched.items():
-        keeper = min(r for ranks in by_copy for r in ranks)
-        for rank, plan in enumerate(plans):
-            if rank != keeper:
-                plan.items = [
-                    i for i in plan.items if not (i.key == key and i.box.sizes == i.shape)
-                ]
-
-
-def _warn_mismatches(mismatched: dict[str, list[list[int]]]) -> BaseException | None:
-    """Warn on this rank; a warning the caller's filters turn into an error is returned."""
-    if not mismatched:
-        return None
-    shown = "; ".join(
-        f"{key!r}: " + " vs ".join(f"ranks {ranks}" for ranks in by_copy)
-        for key, by_copy in list(mismatched.items())[:5]
-    )
-    more = f" (and {len(mismatched) - 5} more)" if len(mismatched) > 5 else ""
-    keepers = sorted({min(r for g in v for r in g) for v in mismatched.values()})
-    try:
-        warnings.warn(
-            f"{len(mismatched)} replicated (plain) tensor(s) differ between ranks: {shown}"
-            f"{more}. Saved the copy of rank(s) {keepers} whole. Make the copies equal "
-            "(broadcast or all-reduce them), or save per-rank shards as a ShardedTensor/"
-            "DTensor with their global offsets",
-            ReplicaMismatchWarning,
-            stacklevel=4,
-        )
-    except ReplicaMismatchWarning as exc:
-        return exc
-    return None
-
-
 def prepare(
     state_dict: dict,
     planner: SavePlanner,
@@ -279,20 +149,22 @@ def prepare(
     file_cap: int | None = None,
     *,
     flat_fn: Callable[[], Flat] | None = None,
+    replicas: str = "after",
 ) -> SaveJob:
     """Flatten (or call ``flat_fn``), plan locally, exchange plans, plan globally (collective).
 
-    The same exchange carries a checksum of every tensor a rank holds whole, so copies
-    of a replicated tensor that differ between ranks are found (and saved from one rank
-    only, with a :class:`ReplicaMismatchWarning`) at no extra collective.
+    ``replicas`` is when copies of replicated boxes are compared between ranks (see
+    ``_replicas``): ``"after"`` the write (``save``), ``"before"`` it, with checksums of
+    the plain tensors in this exchange (``async_save``), or ``"off"``.
     """
+    assert replicas in ("after", "before", "off"), replicas
     error, payload, flat = None, None, None
     try:
         flat = flat_fn() if flat_fn is not None else flatten(state_dict, for_save=True)
         _refuse_pickle(flat, planner)
         planner.set_up_planner(flat, rank=comm.rank, world_size=comm.world_size)
         payload = {"plan": planner.create_local_plan().to_json()}
-        if comm.world_size > 1:
+        if comm.world_size > 1 and replicas == "before":
             payload["replicas"] = replica_digests(flat)
         if comm.rank == 0:
             stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -302,14 +174,20 @@ def prepare(
     replies = comm.agree(error, "planning the save", payload)
     plans = [SavePlan.from_json(r["plan"]) for r in replies]
     mismatched = replica_mismatches([r.get("replicas", {}) for r in replies])
-    _keep_one_copy(plans, mismatched)
+    keep_one_copy(plans, mismatched)
     save_id = replies[0]["save_id"]
-    mine = planner.create_global_plan(plans)[comm.rank]
+    global_plans = planner.create_global_plan(plans)
     job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner)
-    job.error = _warn_mismatches(mismatched)
+    keepers = [min(r for g in v for r in g) for v in mismatched.values()]
+    job.error = warn_mismatches(mismatched, keepers)
     job.file_cap = file_cap
-    bins = _assign_files(_cap_items(mine.items, file_cap), thread_count)
-    job.files = _name_files(job, _cap_files(bins, file_cap))
+    job.thread_count = thread_count
+    job.items = _cap_items(global_plans[comm.rank].items, file_cap)
+    if comm.world_size > 1 and replicas == "after":
+        job.replicas = plan_replicas(
+            plans, global_plans, comm.rank, lambda items: _cap_items(items, file_cap)
+        )
+    job.files = _name_files(job, _cap_files(_assign_files(job.items, thread_count), file_cap))
     return job
 
 
@@ -338,13 +216,15 @@ def _reuse_base(job: SaveJob, writer: StorageWriter, data: Callable) -> tuple[li
     return records, linked
 
 
-def _tensor_name(item: WriteItem) -> str:
-    return f"{item.key}@{','.join(map(str, item.box.offsets))}"
-
-
 def _write_file(
-    writer: StorageWriter, name: str, items: list[WriteItem], data: Callable
+    writer: StorageWriter,
+    name: str,
+    items: list[WriteItem],
+    data: Callable,
+    handed_over: Callable[[], None] | None = None,
 ) -> tuple[list[dict], int]:
+    """Write one data file; ``handed_over`` is called once the writer has all its bytes
+    (it then syncs or uploads them)."""
     tensors = [data(item) for item in items]
     header = safetensors_header([(_tensor_name(i), i.dtype, i.box.sizes, i.nbytes) for i in items])
     records, views, pos = [], [], len(header)
@@ -383,6 +263,8 @@ def _write_file(
                     yield piece
                 sums.append(digest.hexdigest())
             rec["xxh3_64"] = sums
+        if handed_over is not None:
+            handed_over()
 
     writer.write_file(name, pieces())
     if any("xxh3_64" not in rec for rec in records):
@@ -399,29 +281,52 @@ def live_data(planner: SavePlanner) -> Callable[[WriteItem], torch.Tensor]:
     return get
 
 
+def _write_data(
+    job: SaveJob, writer: StorageWriter, data: Callable, handed_over: Callable | None = None
+) -> tuple[list, dict, dict]:
+    """Write this rank's data files: (chunk records, file sizes, linked files)."""
+    records, sizes, linked = [], {}, {}
+    if job.base is not None:
+        records, linked = _reuse_base(job, writer, data)
+    with ThreadPoolExecutor(max(1, min(len(job.files), writer.thread_count))) as pool:
+        futures = [pool.submit(_write_file, writer, n, i, data, handed_over) for n, i in job.files]
+        for (name, _), fut in zip(job.files, futures):
+            recs, size = fut.result()
+            records += recs
+            sizes[name] = size
+    return records, sizes, linked
+
+
 def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Callable) -> Metadata:
-    """Write this rank's files, agree that every rank succeeded, commit (collective)."""
-    error, payload = None, None
+    """Write this rank's files, agree that every rank succeeded, commit (collective).
+
+    With the after-write replica check, this rank's copies of the pieces other ranks
+    write are hashed on another thread while it writes (or while its writer syncs, see
+    ``Shadows``); the digests go with the write agreement, to be compared with the
+    writers' block checksums.
+    """
+    error, payload, shadows = None, None, None
     try:
         if job.error is not None:
             raise job.error
-        records, sizes, linked = [], {}, {}
-        if job.base is not None:
-            records, linked = _reuse_base(job, writer, data)
-        with ThreadPoolExecutor(max(1, min(len(job.files), writer.thread_count))) as pool:
-            futures = [pool.submit(_write_file, writer, n, i, data) for n, i in job.files]
-            for (name, _), fut in zip(job.files, futures):
-                recs, size = fut.result()
-                records += recs
-                sizes[name] = size
+        if job.replicas is not None and job.replicas.shadows:
+            shadows = Shadows(job.replicas.shadows, data)
+        start = shadows.start if shadows is not None else None
+        records, sizes, linked = _write_data(job, writer, data, start)
         payload = {"chunks": records, "files": sizes, "linked": linked}
+        if shadows is not None:
+            payload["replicas"] = shadows.result()
         if job.is_coordinator:
             payload["values"] = {k: encode_value(v) for k, v in job.flat.values.items()}
             payload["objects"] = _write_objects(job, writer, sizes)
     except Exception as exc:
         error = exc
+        if shadows is not None:
+            shadows.cancel()
     try:
         replies = comm.agree(error, "writing the checkpoint", payload)
+        if job.replicas is not None:
+            replies = _settle_replicas(job, writer, comm, data, replies)
     except BaseException:
         # Nothing gets committed: this rank's partial files go now, so a full disk
         # (ENOSPC) is not kept full by them until some later save succeeds.
@@ -438,6 +343,53 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
     if job.is_coordinator:
         _remove_superseded(writer, metadata)
     return metadata
+
+
+def _settle_replicas(
+    job: SaveJob, writer: StorageWriter, comm: Comm, data: Callable, replies: list[dict]
+) -> list[dict]:
+    """Compare the copies of replicated boxes; if any differ, warn and make sure one rank's
+    copy of each is saved whole (collective, only then). Returns the final replies."""
+    assert job.replicas is not None
+    mismatched, keepers, rewrite = mismatches_after_write(job.replicas, replies)
+    if not mismatched:
+        return replies
+    error, payload = None, replies[job.rank]
+    try:
+        promoted = warn_mismatches(mismatched, list(keepers.values()))
+        if promoted is not None:
+            raise promoted
+        if rewrite:
+            payload = _rewrite_with_whole_copies(job, writer, data, rewrite, keepers, payload)
+    except Exception as exc:
+        error = exc
+    return comm.agree(error, "saving one copy of each differing replica", payload)
+
+
+def _rewrite_with_whole_copies(
+    job: SaveJob, writer: StorageWriter, data: Callable, rewrite: set, keepers: dict, mine: dict
+) -> dict:
+    """Rewrite this rank's data files without the pieces of the boxes in ``rewrite``; their
+    keeper adds each such box whole, from its own copy."""
+    assert job.replicas is not None
+    old = [name for name, _ in job.files]
+    items = []
+    for item in job.items:
+        found = holder_box(job.replicas, item.key, item.box)
+        if found is None or (item.key, found[0]) not in rewrite:
+            items.append(item)
+    kept = [slot for slot in rewrite if keepers[slot] == job.rank]
+    if len(items) == len(job.items) and not kept:
+        return mine  # none of this rank's files holds a piece of those boxes
+    for key, box in sorted(kept, key=lambda s: (s[0], s[1].offsets)):
+        leaf = job.flat.tensors[key]
+        items += _cap_items([WriteItem(key, box, leaf.shape, leaf.dtype)], job.file_cap)
+    writer.remove_files(old)
+    job.items = items
+    job.files = _name_files(job, _cap_files(_assign_files(items, job.thread_count), job.file_cap))
+    records, sizes, linked = _write_data(job, writer, data)
+    sizes.update({name: size for name, size in mine["files"].items() if name not in old})
+    return {**mine, "chunks": records, "files": sizes, "linked": linked}
 
 
 def _remove_own_files(writer: StorageWriter, job: SaveJob) -> None:
@@ -554,6 +506,7 @@ def save(
     incremental_base: str | os.PathLike | None = None,
     no_dist: bool = False,
     use_collectives: bool = True,
+    verify_replicas: bool = True,
 ) -> Metadata:
     """Save a (sharded) state dict; every rank of ``process_group`` must call it.
 
@@ -578,6 +531,10 @@ def save(
         no_dist: save as a world of one with no collectives, even in a process group
             (as torch's; each rank then needs its own ``checkpoint_id``).
         use_collectives: torch's; only True (or a world of one) is supported.
+        verify_replicas: compare the copies of every box several ranks hold (plain
+            tensors, replicated shards) by checksum; copies that differ are saved from
+            one rank whole, with a :class:`ReplicaMismatchWarning`. False skips the check
+            (and its cost, see docs/checkpoint.md); differing copies are then saved mixed.
 
     Returns:
         The committed :class:`Metadata` (the same on every rank).
@@ -586,12 +543,16 @@ def save(
     planner = planner if planner is not None else DefaultSavePlanner()
     if not isinstance(planner, SavePlanner):
         raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
+    check_verify_replicas(verify_replicas)
     wait_for_inflight()
     if not no_dist:
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
     comm = Comm(process_group, local=check_no_dist(no_dist, use_collectives))
     base = base_reader(writer, incremental_base)
-    job = prepare(state_dict, planner, comm, writer.thread_count, max_file_bytes(writer))
+    job = prepare(
+        state_dict, planner, comm, writer.thread_count, max_file_bytes(writer),
+        replicas="after" if verify_replicas else "off",
+    )  # fmt: skip
     job.base = base
     return write_and_commit(job, writer, comm, live_data(planner))
 

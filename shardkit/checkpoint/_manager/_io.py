@@ -53,6 +53,7 @@ def save_step(mgr: CheckpointManager, step: int, state_dict: dict, base: int | N
         storage_writer=_writer(mgr, step),
         process_group=mgr._ctrl,
         incremental_base=_base(mgr, base),
+        verify_replicas=mgr.verify_replicas,
     )
 
 
@@ -67,6 +68,7 @@ def save_step_async(
         storage_writer=_writer(mgr, step),
         process_group=mgr._async_group,
         incremental_base=_base(mgr, base),
+        verify_replicas=mgr.verify_replicas,
     )
 
 

@@ -77,6 +77,8 @@ class CheckpointManager(TierMethods):
         local_tier: a :class:`LocalTier`: also keep rank-local copies in node-local RAM
             every ``interval`` steps, replicated to a peer rank; ``latest_step`` and
             ``restore`` then use the fastest tier that has every rank's shard.
+        verify_replicas: as in :func:`shardkit.checkpoint.save`: compare the ranks'
+            copies of replicated tensors at every save (False: skip the check).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class CheckpointManager(TierMethods):
         num_of_threads: int = 1,
         incremental: bool = False,
         local_tier: LocalTier | None = None,
+        verify_replicas: bool = True,
     ):
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise TypeError(f"path must be a non-empty str or os.PathLike URL, got {path!r}")
@@ -131,6 +134,9 @@ class CheckpointManager(TierMethods):
         if not isinstance(incremental, bool):
             raise TypeError(f"incremental must be a bool, got {incremental!r}")
         self.incremental = incremental
+        if not isinstance(verify_replicas, bool):
+            raise TypeError(f"verify_replicas must be True or False, got {verify_replicas!r}")
+        self.verify_replicas = verify_replicas
         policies = [LatestN(self.max_to_keep)] if self.max_to_keep else []
         policies += [preservation_policy] if preservation_policy is not None else []
         self.preservation_policy = (
