@@ -97,3 +97,13 @@ def test_corrupt_byte_in_a_scattered_chunk_is_named(tmp_path, scattered):
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
         dcp.load({"w": torch.zeros(40, 16, dtype=torch.float64)}, checkpoint_id=tmp_path)
     assert scattered
+
+
+def test_remote_store_never_scatters(scattered):
+    """Without a local descriptor a scattered read would be one request per row."""
+    full = torch.randn(30, 16, dtype=torch.float64)
+    url = "memory://shardkit-scatter/ckpt"
+    dcp.save({"w": full}, checkpoint_id=url, planner=ColumnPlanner([8]))
+    target = torch.zeros(30, 16, dtype=torch.float64)
+    dcp.load({"w": target}, storage_reader=dcp.FileSystemReader(url, thread_count=2))
+    assert torch.equal(target, full) and scattered == []

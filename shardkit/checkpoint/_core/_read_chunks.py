@@ -151,10 +151,8 @@ def _read_rows(
 ) -> None:
     """Read ``total`` bytes of consecutive chunk rows from ``offset`` into the ``vecs``
     views (one vector per row) and hash them in file order."""
-    got = 0
-    if files.usable:
-        got = os.preadv(files._fd(item.chunk.file), vecs, offset)
-    if got < total:  # a short read (or no descriptor): finish row by row
+    got = os.preadv(files._fd(item.chunk.file), vecs, offset)
+    if got < total:  # a short read: finish row by row
         done = 0
         for vec in vecs:
             if done + len(vec) > got:
@@ -211,7 +209,7 @@ def _pieces(
         and dest.is_contiguous()
     )
     out = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if direct else None
-    scatter = None if direct else _scatter_view(item, dest, dtype)
+    scatter = None if direct or not files.usable else _scatter_view(item, dest, dtype)
     if step_bytes is None:
         step_bytes = _PIECE_BYTES if direct or scatter is not None else _SCRATCH_PIECE_BYTES
     step = max(1, step_bytes // max(1, rb))
@@ -378,8 +376,12 @@ def read_items(planner, items: list[ReadItem], dtypes: dict, files: LocalFiles, 
         return
     groups: list[list[ReadItem]] = []
     for group in bands.values():
-        if len(group) > 1 and all(
-            _scatter_view(i, _destination(planner, i), dtypes[i.key]) is not None for i in group
+        if (
+            len(group) > 1
+            and files.usable
+            and all(
+                _scatter_view(i, _destination(planner, i), dtypes[i.key]) is not None for i in group
+            )
         ):  # rows are read straight into place: no band to write, share the chunks out
             groups += [[part] for i in group for part in _split(i, dtypes[i.key])]
         elif len(group) == 1:
