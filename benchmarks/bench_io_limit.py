@@ -146,6 +146,11 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip torch DCP")
     parser.add_argument("--quick", action="store_true", help="smoke run: 64 MiB, 3 rounds")
     parser.add_argument(
+        "--scratch-baseline",
+        action="store_true",
+        help="also time the resharded load with scattered row reads off (scratch + copy)",
+    )
+    parser.add_argument(
         "--only", choices=("save", "load"), help="time only the save or only the load paths"
     )
     args = parser.parse_args()
@@ -217,6 +222,18 @@ def main() -> None:
     }
     if not args.no_torch:
         loads["torch_load"] = th_load
+    if args.scratch_baseline:
+        from shardkit.checkpoint._core import _read_chunks
+
+        def sk_reshard_scratch():
+            keep = _read_chunks._SCATTER_MIN_ROW
+            _read_chunks._SCATTER_MIN_ROW = 1 << 62  # no row is large enough to scatter
+            try:
+                sk_reshard()
+            finally:
+                _read_chunks._SCATTER_MIN_ROW = keep
+
+        loads["reshard_scratch"] = sk_reshard_scratch
     saves = {"write_fsync": plain_write, "save": sk_save, "async_save": sk_async}
     if not args.no_torch:
         saves["torch_save"] = th_save
@@ -226,6 +243,7 @@ def main() -> None:
         saves = {}
     dirs = {"load": "sk", "readinto": "sk", "reshard_load": "cols", "readinto_cols": "cols"}
     dirs["torch_load"] = "th"
+    dirs["reshard_scratch"] = "cols"
     times: dict[str, list[float]] = {}
     growth: dict[str, list[int]] = {}
     for r in range(args.rounds):
@@ -292,6 +310,13 @@ def main() -> None:
             if plain in times and ours in times
             for v in [[p / o for p, o in zip(times[plain], times[ours])]]
         },
+        # resharded load, scattered row reads / scratch buffer + copy: below 1 is faster
+        "reshard_scatter_vs_scratch": {
+            mode: ratio(f"reshard_load_{mode}", f"reshard_scratch_{mode}")
+            for mode in ("warm", "cold")
+        }
+        if args.scratch_baseline
+        else None,
         "peak_rss_over_destination_mib": {
             k: round(max(v) / MiB, 1) for k, v in growth.items() if not k.startswith("readinto")
         },
