@@ -19,6 +19,7 @@ is recorded for every load. Prints one JSON line.
     .venv/bin/python benchmarks/bench_io_limit.py                     # 1 GiB, 7 rounds
     .venv/bin/python benchmarks/bench_io_limit.py --quick    # smoke run: 64 MiB, 3 rounds
     .venv/bin/python benchmarks/bench_io_limit.py --size-mib 4096 --threads 8
+    .venv/bin/python benchmarks/bench_io_limit.py --only save     # the save paths alone
 """
 
 from __future__ import annotations
@@ -144,6 +145,14 @@ def main() -> None:
     parser.add_argument("--dir", default=os.environ.get("BENCH_DIR"))
     parser.add_argument("--no-torch", action="store_true", help="skip torch DCP")
     parser.add_argument("--quick", action="store_true", help="smoke run: 64 MiB, 3 rounds")
+    parser.add_argument(
+        "--scratch-baseline",
+        action="store_true",
+        help="also time the resharded load with scattered row reads off (scratch + copy)",
+    )
+    parser.add_argument(
+        "--only", choices=("save", "load"), help="time only the save or only the load paths"
+    )
     args = parser.parse_args()
     if args.quick:
         args.size_mib, args.rounds = 64, 3
@@ -213,11 +222,28 @@ def main() -> None:
     }
     if not args.no_torch:
         loads["torch_load"] = th_load
+    if args.scratch_baseline:
+        from shardkit.checkpoint._core import _read_chunks
+
+        def sk_reshard_scratch():
+            keep = _read_chunks._SCATTER_MIN_ROW
+            _read_chunks._SCATTER_MIN_ROW = 1 << 62  # no row is large enough to scatter
+            try:
+                sk_reshard()
+            finally:
+                _read_chunks._SCATTER_MIN_ROW = keep
+
+        loads["reshard_scratch"] = sk_reshard_scratch
     saves = {"write_fsync": plain_write, "save": sk_save, "async_save": sk_async}
     if not args.no_torch:
         saves["torch_save"] = th_save
+    if args.only == "save":
+        loads = {}
+    elif args.only == "load":
+        saves = {}
     dirs = {"load": "sk", "readinto": "sk", "reshard_load": "cols", "readinto_cols": "cols"}
     dirs["torch_load"] = "th"
+    dirs["reshard_scratch"] = "cols"
     times: dict[str, list[float]] = {}
     growth: dict[str, list[int]] = {}
     for r in range(args.rounds):
@@ -238,14 +264,23 @@ def main() -> None:
                 loads[name]()
                 times.setdefault(f"{name}_{mode}", []).append(time.perf_counter() - t0)
                 growth.setdefault(name, []).append(_status("VmHWM") - before)
-    assert all(torch.equal(target[k], sd[k]) for k in sd)
+    if loads:
+        assert all(torch.equal(target[k], sd[k]) for k in sd)
     shutil.rmtree(root, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in times.items()}
-    med["async_block"] = statistics.median(block)
+    if block:
+        med["async_block"] = statistics.median(block)
 
-    def frac(plain: str, ours: str) -> float:
+    def frac(plain: str, ours: str) -> float | None:
+        if plain not in med or ours not in med:
+            return None  # not timed in this run (--only)
         return round(med[plain] / med[ours], 3)
+
+    def ratio(ours: str, theirs: str) -> float | None:
+        if ours not in med or theirs not in med:
+            return None
+        return round(med[ours] / med[theirs], 3)
 
     out = {
         "bench": "io_limit",
@@ -264,6 +299,24 @@ def main() -> None:
             "save_fsync": frac("write_fsync", "save"),
             "async_save_total": frac("write_fsync", "async_save"),
         },
+        # plain / ours per round (same round, adjacent in time): min, median, max
+        "paired_fraction_of_plain_io": {
+            name: [round(min(v), 3), round(statistics.median(v), 3), round(max(v), 3)]
+            for name, plain, ours in (
+                ("save_fsync", "write_fsync", "save"),
+                ("load_warm", "readinto_warm", "load_warm"),
+                ("reshard_load_warm", "readinto_cols_warm", "reshard_load_warm"),
+            )
+            if plain in times and ours in times
+            for v in [[p / o for p, o in zip(times[plain], times[ours])]]
+        },
+        # resharded load, scattered row reads / scratch buffer + copy: below 1 is faster
+        "reshard_scatter_vs_scratch": {
+            mode: ratio(f"reshard_load_{mode}", f"reshard_scratch_{mode}")
+            for mode in ("warm", "cold")
+        }
+        if args.scratch_baseline
+        else None,
         "peak_rss_over_destination_mib": {
             k: round(max(v) / MiB, 1) for k, v in growth.items() if not k.startswith("readinto")
         },
@@ -271,9 +324,9 @@ def main() -> None:
     }
     if not args.no_torch:
         out["vs_torch_dcp"] = {  # ours / torch: below 1 is faster
-            "save": round(med["save"] / med["torch_save"], 3),
-            "load_warm": round(med["load_warm"] / med["torch_load_warm"], 3),
-            "load_cold": round(med["load_cold"] / med["torch_load_cold"], 3),
+            "save": ratio("save", "torch_save"),
+            "load_warm": ratio("load_warm", "torch_load_warm"),
+            "load_cold": ratio("load_cold", "torch_load_cold"),
         }
     print(json.dumps(out), flush=True)
 

@@ -172,7 +172,13 @@ class _Source:
                 piece = self._st.get_slice(key)
                 self.tensors[key] = (None, tuple(piece.get_shape()))
         elif self.format == "torch":
-            state = torch.load(self._local(), map_location="cpu", weights_only=True, mmap=True)
+            from ..checkpoint._convert._torch_file import TorchFile
+
+            try:  # tensors stay on the meta device until tensor() reads one
+                self._file = TorchFile(self._local())
+            except ValueError as exc:  # a legacy or big-endian file
+                raise CliError(str(exc)) from None
+            state = self._file.obj
             if not isinstance(state, dict):
                 raise CliError(f"{path} holds a {type(state).__name__}, not a state dict")
             self._flat = dict(_flatten(state))
@@ -211,7 +217,7 @@ class _Source:
             return out
         if self.format == "safetensors":
             return self._st.get_tensor(key)
-        return self._flat[key]
+        return self._file.read(self._flat[key])
 
 
 def _decode(value):

@@ -29,11 +29,20 @@ def rank_file_name(prefix: str, rank: int, world_size: int, suffix: str = ".pth"
     return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}{suffix}"
 
 
+def _open(path: str):
+    from ..checkpoint._convert._torch_file import TorchFile
+
+    try:
+        return TorchFile(path)
+    except ValueError as exc:  # legacy format or big-endian: say which file
+        raise ValueError(f"cannot read rank file {path!r}: {exc}") from None
+
+
 def _peek_meta(path: str) -> dict:
-    """The ``shard_metadata`` of a rank file (memory-mapped: tensors are not read)."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    """The ``shard_metadata`` of a rank file (no tensor bytes are read)."""
+    with _open(path) as f:
+        ckpt = f.obj
     meta = ckpt.get("shard_metadata") if isinstance(ckpt, dict) else None
-    del ckpt
     if not isinstance(meta, dict) or not isinstance(meta.get("rank"), int):
         raise ValueError(
             f"{path!r} is not a per-rank FSDP checkpoint: it needs 'model' and "
@@ -96,8 +105,14 @@ def _merge_rank(path: str, rank: int, world: int, slots: dict, full: dict) -> di
     """Copy one rank file's rows into the full tensors; its tensors die on return.
 
     Returns rank 0's ``state_dict`` key -> unwrapped name map, in order (else empty).
+    Each shard is read with ``preadv`` straight into its rows of the full tensor.
     """
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    with _open(path) as f:
+        return _merge_open(f, path, rank, world, slots, full)
+
+
+def _merge_open(f, path: str, rank: int, world: int, slots: dict, full: dict) -> dict[str, str]:
+    ckpt = f.obj
     try:
         model, meta = ckpt["model"], ckpt["shard_metadata"]
     except (KeyError, TypeError):
@@ -124,16 +139,20 @@ def _merge_rank(path: str, rank: int, world: int, slots: dict, full: dict) -> di
         target = slots.get(info["slot"])
         if target is None:
             target = slots[info["slot"]] = torch.empty(shape, dtype=shard.dtype)
+        if shard.dtype != target.dtype:
+            raise ValueError(
+                f"{path!r}: {key!r} is {shard.dtype}, but an earlier file stored {target.dtype}"
+            )
         if info["replicated"]:
             if rank == 0:
-                target.copy_(shard)
+                f.read_into(shard, target)
         elif info["rows"]:
-            target.narrow(0, info["start"], info["rows"]).copy_(shard)
+            f.read_into(shard, target.narrow(0, info["start"], info["rows"]))
         full[info["fqn"]] = target
     if rank != 0:
         return {}
     for key, fqn in meta["buffers"].items():
-        full[fqn] = model[key].clone()
+        full[fqn] = f.read(model[key])
     names = {**{k: v["fqn"] for k, v in meta["params"].items()}, **meta["buffers"]}
     return {k: names[k] for k in model if k in names}
 

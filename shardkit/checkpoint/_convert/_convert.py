@@ -28,6 +28,7 @@ from ._io import (
     read_safetensors,
     require_file,
 )
+from ._torch_file import TorchFile
 
 __all__ = [
     "dcp_to_torch_save",
@@ -101,7 +102,8 @@ def torch_save_to_dcp(
     """Write a ``torch.save`` file of a (nested) dict as a shardkit checkpoint.
 
     The file is read with ``weights_only=True`` (no arbitrary unpickling) and, for the
-    zip format, memory-mapped, so tensors cost page cache rather than a copy. Nested dicts
+    zip format, mapped read-only and shared, so tensors cost page cache rather than a copy
+    or committed memory. Nested dicts
     become dotted keys, exactly as :func:`shardkit.checkpoint.save` flattens them.
     """
     check_progress(progress)
@@ -119,17 +121,18 @@ def torch_save_to_dcp(
 
 
 def _torch_load(path: str | os.PathLike) -> Any:
+    """The file's state; a local zip-format file's tensors are views of a read-only shared
+    map (page cache, never a private map charged against committed memory)."""
     if not is_local(path):
         with fsspec.open(os.fspath(path), "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)
     local = os.fspath(path).removeprefix("file://")
-    try:
-        return torch.load(local, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc):
-            raise
-        # legacy (non-zip) torch.save format: cannot be mapped, read it whole
+    with open(local, "rb") as f:
+        legacy = f.read(4) != b"PK\x03\x04"
+    if legacy:  # pre-zip torch.save format: tensors are inside the pickle, read it whole
         return torch.load(local, map_location="cpu", weights_only=True)
+    with TorchFile(local) as f:
+        return f.materialize(f.obj, mapped=True)
 
 
 def to_safetensors(

@@ -19,6 +19,7 @@ from torch import nn
 
 from ...spmd import ShardedTensor
 from .._core._errors import CorruptCheckpointError
+from .._core._format import SAFETENSORS_NAMES
 from .._state_dict._fqn import clean_key, unwrap
 from .._state_dict._model import get_model_state_dict
 from ._hf import INDEX_FILE
@@ -26,18 +27,6 @@ from ._hf import INDEX_FILE
 __all__ = ["load_hf", "hf_weight_map"]
 
 _SINGLE = "model.safetensors"
-_DTYPE_NAMES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 def _check_name(name: Any, index_path: str) -> str:
@@ -158,12 +147,12 @@ class _Header:
 def _rows_read(head: _Header, key: str, slices: tuple, live: torch.Tensor, shape: tuple) -> bool:
     """Read a dim-0 row range straight into ``live`` (one pread): FSDP's shards, and any
     box whole on every other dim. False when the layout or dtype does not allow it."""
-    if not slices or not live.is_contiguous() or live.dtype not in _DTYPE_NAMES:
+    if not slices or not live.is_contiguous() or live.dtype not in SAFETENSORS_NAMES:
         return False
     if any(s.start != 0 or s.stop != n for s, n in zip(slices[1:], shape[1:])):
         return False
     itemsize = live.element_size()
-    start = head.byte_range(key, _DTYPE_NAMES[live.dtype], shape, itemsize)
+    start = head.byte_range(key, SAFETENSORS_NAMES[live.dtype], shape, itemsize)
     if start is None:
         return False
     row = math.prod(shape[1:]) * itemsize

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .._core._errors import CheckpointError, CorruptCheckpointError
-from .._core._format import Metadata, safetensors_dtype
+from .._core._format import SAFETENSORS_DTYPES, Metadata, safetensors_dtype
 from .._core._load import load, load_with_metadata
 from .._core._planner import DefaultLoadPlanner
 from .._core._storage import FileSystemReader
@@ -41,23 +41,7 @@ __all__ = [
 
 #: The safetensors ``__metadata__`` entry holding the checkpoint's non-tensor values (JSON).
 VALUES_KEY = "shardkit.values"
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+_ST_DTYPES = SAFETENSORS_DTYPES
 
 
 def check_progress(progress: object) -> None:

@@ -52,6 +52,9 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
 }
 _BY_NAME = {str(d).removeprefix("torch."): d for d in _DTYPES}
+#: torch dtype -> safetensors dtype name, and back: the one table every module uses.
+SAFETENSORS_NAMES: dict[torch.dtype, str] = _DTYPES
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype, key: str) -> str:

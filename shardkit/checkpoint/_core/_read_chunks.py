@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -43,6 +44,11 @@ _SCRATCH_PIECE_BYTES = 4 << 20
 _BAND_PIECE_BYTES = 1 << 20
 #: Bytes of one large chunk that one reader thread takes at a time.
 _SPLIT_BYTES = 16 << 20
+#: Smallest chunk row (bytes) read by scattering rows straight into a strided destination;
+#: below it, the per-row cost of the I/O vector outweighs the copy it saves.
+_SCATTER_MIN_ROW = 2048
+#: Rows per scattered read (the kernel takes at most IOV_MAX = 1024 vectors per call).
+_SCATTER_MAX_ROWS = 512
 
 _scratch = threading.local()
 
@@ -118,6 +124,44 @@ class LocalFiles:
             os.close(fd)
 
 
+def _scatter_view(item: ReadItem, dest: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
+    """The bytes spanned by ``dest`` when every chunk row of ``item`` lands in one
+    contiguous run of it (each destination row's inner part is contiguous and the item
+    takes whole chunk rows), so rows can be read straight into place; else None."""
+    chunk, box = item.chunk, item.box
+    if (
+        box.ndim < 2
+        or tuple(box.sizes[1:]) != tuple(chunk.box.sizes[1:])
+        or dest.device.type != "cpu"
+        or dest.dtype != dtype
+        or row_bytes(chunk.box.sizes, dtype.itemsize) < _SCATTER_MIN_ROW
+        or dest.shape[0] < 1
+        or dest[0].numel() == 0
+        or not dest[0].is_contiguous()
+        or dest.stride(0) < dest[0].numel()
+    ):
+        return None
+    span = (dest.shape[0] - 1) * dest.stride(0) + dest[0].numel()
+    flat = dest.as_strided((span,), (1,), dest.storage_offset())
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _read_rows(
+    files: LocalFiles, item: ReadItem, offset: int, vecs: list[memoryview], total: int, digest
+) -> None:
+    """Read ``total`` bytes of consecutive chunk rows from ``offset`` into the ``vecs``
+    views (one vector per row) and hash them in file order."""
+    got = os.preadv(files._fd(item.chunk.file), vecs, offset)
+    if got < total:  # a short read: finish row by row
+        done = 0
+        for vec in vecs:
+            if done + len(vec) > got:
+                skip = max(0, got - done)
+                _read(files, item, offset + done + skip, vec[skip:])
+            done += len(vec)
+    deque(map(digest.update, vecs), maxlen=0)
+
+
 def _read(files: LocalFiles, item: ReadItem, offset: int, view: memoryview) -> None:
     try:
         files.read_into(item.chunk.file, offset, view)
@@ -165,9 +209,13 @@ def _pieces(
         and dest.is_contiguous()
     )
     out = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if direct else None
+    scatter = None if direct or not files.usable else _scatter_view(item, dest, dtype)
     if step_bytes is None:
-        step_bytes = _PIECE_BYTES if direct else _SCRATCH_PIECE_BYTES
+        step_bytes = _PIECE_BYTES if direct or scatter is not None else _SCRATCH_PIECE_BYTES
     step = max(1, step_bytes // max(1, rb))
+    if scatter is not None:
+        step = min(step, _SCATTER_MAX_ROWS)
+        pitch = dest.stride(0) * dtype.itemsize
     block = chunk.block_rows
     for b in range(r0 // block, math.ceil(r1 / block)):
         if b >= len(chunk.checksums):
@@ -183,6 +231,11 @@ def _pieces(
                 view = out[(ps - r0) * rb : (pe - r0) * rb]
                 _read(files, item, chunk.offset + ps * rb, view)
                 digest.update(view)
+                continue
+            if scatter is not None and (lo, hi) == (ps, pe):
+                first = (ps - r0) * pitch
+                vecs = [scatter[o : o + rb] for o in range(first, first + (pe - ps) * pitch, pitch)]
+                _read_rows(files, item, chunk.offset + ps * rb, vecs, (pe - ps) * rb, digest)
                 continue
             buf = _scratch_bytes((pe - ps) * rb, slot)
             _read(files, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
@@ -323,7 +376,15 @@ def read_items(planner, items: list[ReadItem], dtypes: dict, files: LocalFiles, 
         return
     groups: list[list[ReadItem]] = []
     for group in bands.values():
-        if len(group) == 1:
+        if (
+            len(group) > 1
+            and files.usable
+            and all(
+                _scatter_view(i, _destination(planner, i), dtypes[i.key]) is not None for i in group
+            )
+        ):  # rows are read straight into place: no band to write, share the chunks out
+            groups += [[part] for i in group for part in _split(i, dtypes[i.key])]
+        elif len(group) == 1:
             groups += [[part] for part in _split(group[0], dtypes[group[0].key])]
         else:
             groups.append(group)

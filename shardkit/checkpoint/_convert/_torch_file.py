@@ -1,0 +1,200 @@
+"""A ``torch.save`` file read without mapping it privately.
+
+``torch.load`` with ``mmap`` on maps the whole file privately and writably, which Linux charges
+in full against committed memory (it fails for a file larger than RAM, and under strict
+overcommit far sooner). Here the file's structure is unpickled with ``weights_only=True``
+onto the meta device (no tensor bytes are read), every tensor's bytes are located and
+checked against the zip directory, and a tensor's bytes are then read on demand with
+``preadv`` straight into a destination, or viewed through a read-only shared map.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+import warnings
+import zipfile
+from typing import Any
+
+import torch
+
+from .._core._errors import CorruptCheckpointError
+
+__all__ = ["TorchFile"]
+
+_DATA_RE = re.compile(r"^[^/]+/data/[^/]+$")
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
+
+
+def _records(f, name: str, size: int) -> dict[int, int]:
+    """Data offset -> byte count of every stored tensor record of the zip archive."""
+    try:
+        infos = zipfile.ZipFile(f).infolist()
+    except zipfile.BadZipFile as exc:
+        raise CorruptCheckpointError(
+            f"{name}: not a readable torch.save zip file ({exc})"
+        ) from None
+    out: dict[int, int] = {}
+    for info in infos:
+        if not _DATA_RE.match(info.filename):
+            continue
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CorruptCheckpointError(f"{name}: record {info.filename!r} is compressed")
+        f.seek(info.header_offset)
+        sig, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+        if sig != b"PK\x03\x04":
+            raise CorruptCheckpointError(f"{name}: record {info.filename!r} has a bad header")
+        start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if start + info.file_size > size:
+            raise CorruptCheckpointError(
+                f"{name}: record {info.filename!r} runs past the end of the file"
+            )
+        out[start] = info.file_size
+    return out
+
+
+def _byteorder(f, name: str) -> None:
+    with zipfile.ZipFile(f) as z:
+        for info in z.infolist():
+            if info.filename.endswith("/byteorder") and info.file_size <= 16:
+                order = z.read(info).decode(errors="replace")
+                if order != "little":
+                    raise ValueError(
+                        f"{name}: saved on a {order!r}-endian machine; shardkit reads "
+                        "little-endian torch.save files only (load it with torch.load)"
+                    )
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage a view needs, from the storage's start."""
+    if t.numel() == 0:
+        return 0
+    last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+class TorchFile:
+    """A local ``torch.save`` file (zip format): ``obj`` is what ``torch.load`` would
+    return, but every tensor is on the meta device until read with :meth:`read_into`,
+    :meth:`read` or viewed with :meth:`view`.
+
+    Legacy (pre-zip) files cannot be read lazily: ``ValueError`` says so.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._map: mmap.mmap | None = None
+        try:
+            self.size = os.fstat(self._fd).st_size
+            with open(self._fd, "rb", closefd=False) as f:
+                if f.read(4) != b"PK\x03\x04":
+                    raise ValueError(
+                        f"{self.path}: not a zip-format torch.save file (a legacy file, "
+                        "from torch < 1.6 or _use_new_zipfile_serialization=False); "
+                        "re-save it with a current torch.save"
+                    )
+                self._records = _records(f, self.path, self.size)
+                _byteorder(f, self.path)
+                f.seek(0)
+                self.obj: Any = torch.load(f, map_location="meta", weights_only=True)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def __enter__(self) -> TorchFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the file (views from :meth:`view` keep the map alive)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._map = None
+
+    def _locate(self, t: torch.Tensor) -> int:
+        """The file offset of ``t``'s storage, checked against the zip directory."""
+        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+            raise TypeError(f"{self.path}: expected a tensor of this file, got {type(t)}")
+        storage = t.untyped_storage()
+        start = getattr(storage, "_checkpoint_offset", None)
+        if start is None or start not in self._records:
+            raise CorruptCheckpointError(f"{self.path}: a tensor's bytes are not a data record")
+        nbytes = self._records[start]
+        if storage.nbytes() != nbytes or _span_bytes(t) > nbytes:
+            raise CorruptCheckpointError(
+                f"{self.path}: a tensor of shape {tuple(t.shape)} needs bytes past its "
+                f"record ({nbytes} bytes at offset {start})"
+            )
+        return start
+
+    def _pread(self, offset: int, out: memoryview) -> None:
+        done = 0
+        while done < len(out):
+            n = os.preadv(self._fd, [out[done:]], offset + done)
+            if n == 0:
+                raise CorruptCheckpointError(f"{self.path}: file ends at byte {offset + done}")
+            done += n
+
+    def read_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """Fill ``out`` (CPU, ``t``'s shape and dtype) with ``t``'s values; a contiguous
+        ``t`` and ``out`` take one read straight into ``out``, anything else reads the
+        bytes ``t`` spans into a temporary buffer first."""
+        start = self._locate(t)
+        if tuple(out.shape) != tuple(t.shape) or out.dtype != t.dtype or out.device.type != "cpu":
+            raise ValueError(
+                f"{self.path}: cannot read a {t.dtype} tensor of shape {tuple(t.shape)} into "
+                f"a {out.dtype} {out.device.type} tensor of shape {tuple(out.shape)}"
+            )
+        if t.numel() == 0:
+            return
+        item = t.element_size()
+        if t.is_contiguous() and out.is_contiguous():
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            self._pread(start + t.storage_offset() * item, view)
+            return
+        span = _span_bytes(t)
+        buf = torch.empty(span, dtype=torch.uint8)
+        self._pread(start, memoryview(buf.numpy()))
+        src = buf.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+        with torch.no_grad():
+            out.copy_(src)
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s values in a new contiguous CPU tensor."""
+        out = torch.empty(t.shape, dtype=t.dtype)
+        self.read_into(t, out)
+        return out
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as a view of a read-only shared map of the file: it costs page cache, not
+        committed memory, and must not be written to."""
+        start = self._locate(t)
+        if t.numel() == 0:
+            return torch.empty(t.shape, dtype=t.dtype)
+        if self._map is None:
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        with warnings.catch_warnings():  # read-only bytes: torch warns, nothing writes them
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(
+                self._map, dtype=torch.uint8, count=self._records[start], offset=start
+            )
+        if start % t.element_size():
+            raw = raw.clone()  # keep element access aligned
+        return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def materialize(self, value: Any, *, mapped: bool = False) -> Any:
+        """``value`` (``obj`` or part of it) with every tensor read (or, ``mapped``,
+        viewed); dicts, lists and tuples are rebuilt, anything else is returned as is."""
+        if isinstance(value, torch.Tensor):
+            return self.view(value) if mapped else self.read(value)
+        if isinstance(value, dict):
+            return type(value)((k, self.materialize(v, mapped=mapped)) for k, v in value.items())
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(self.materialize(v, mapped=mapped) for v in value)
+        return value
