@@ -211,6 +211,16 @@ def _run(framework, wrapper, method, k, args, root, ckpt_group):
     }
 
 
+def _rounded(v):
+    if isinstance(v, float):
+        return round(v, 4)
+    if isinstance(v, dict):
+        return {n: _rounded(x) for n, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
+
+
 def _rank(rank: int, world: int, port: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -218,42 +228,52 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     ckpt_group = dist.new_group(backend="gloo")  # torch's recipe: a group for checkpointing
-    results = {}
+    runs: dict[str, list[dict]] = {}
+    ratios: dict[str, list] = {}
     base = tempfile.mkdtemp(prefix="goodput-") if rank == 0 else None
     holder = [base]
     dist.broadcast_object_list(holder)
     base = holder[0]
+    fws = [("torch", ["torch"]), ("shardkit", [m for m in ("shardkit", "manager")
+                                               if m in args.methods])]  # fmt: skip
     for wrapper in args.wrappers:
-        for framework, methods in (("torch", ["torch"]), ("shardkit", ["shardkit", "manager"])):
-            none = _run(framework, wrapper, "none", 0, args, base, ckpt_group)
-            results[f"{wrapper}/{framework}/none"] = none
-            for method in methods:
-                for k in args.ks:
-                    root = f"{base}/{wrapper}-{method}-{k}"
-                    r = _run(framework, wrapper, method, k, args, root, ckpt_group)
-                    r["overhead"] = r["total_s"] / none["total_s"] - 1
-                    results[f"{wrapper}/{method}/k={k}"] = r
-                    dist.barrier()
-                    if rank == 0:
-                        shutil.rmtree(root, ignore_errors=True)
-        for k in args.ks:  # the headline ratio: shardkit's overhead / torch's
-            t = results[f"{wrapper}/torch/k={k}"]["overhead"]
-            s = results[f"{wrapper}/shardkit/k={k}"]["overhead"]
-            results[f"{wrapper}/overhead_ratio/k={k}"] = s / t if t > 0 else None
+        for rep in range(args.repeats):  # repeats interleave, so all see the same load
+            over: dict[str, float] = {}
+            for framework, methods in fws[:: 1 if rep % 2 == 0 else -1]:
+                none = _run(framework, wrapper, "none", 0, args, base, ckpt_group)
+                runs.setdefault(f"{wrapper}/{framework}/none", []).append(none)
+                for method in methods:
+                    for k in args.ks:
+                        root = f"{base}/{wrapper}-{method}-{k}"
+                        r = _run(framework, wrapper, method, k, args, root, ckpt_group)
+                        r["overhead"] = over[f"{method}/{k}"] = r["total_s"] / none["total_s"] - 1
+                        runs.setdefault(f"{wrapper}/{method}/k={k}", []).append(r)
+                        dist.barrier()
+                        if rank == 0:
+                            shutil.rmtree(root, ignore_errors=True)
+            for k in args.ks:  # the headline ratio: shardkit's overhead / torch's
+                t, sk = over[f"torch/{k}"], over.get(f"shardkit/{k}")
+                if sk is not None:
+                    ratio = sk / t if t > 0 else None
+                    ratios.setdefault(f"{wrapper}/overhead_ratio/k={k}", []).append(ratio)
+    results: dict = {}
+    for key, rs in runs.items():  # medians over the repeats, and the overheads' spread
+        results[key] = {n: statistics.median(r[n] for r in rs) for n in rs[0]}
+        if "overhead" in rs[0]:
+            results[key]["overhead_min_max"] = [min(r["overhead"] for r in rs),
+                                                max(r["overhead"] for r in rs)]  # fmt: skip
+    for key, vals in ratios.items():
+        ok = [v for v in vals if v is not None]
+        results[key] = statistics.median(ok) if ok else None
+        results[key.replace("overhead_ratio", "overhead_ratio_samples")] = vals
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)
         params = sum(p.numel() for p in Net(args.vocab, args.d_model, args.layers).parameters())
         out = {"bench": "goodput", "ranks": world, "params_m": round(params / 1e6, 1),
                "state_mib": round(3 * 4 * params / 2**20), "steps": args.steps,
-               "d_model": args.d_model, "layers": args.layers}  # fmt: skip
-        out.update(
-            {
-                k: {n: round(x, 4) if isinstance(x, float) else x for n, x in v.items()}
-                if isinstance(v, dict)
-                else (round(v, 3) if isinstance(v, float) else v)
-                for k, v in results.items()
-            }
-        )
+               "d_model": args.d_model, "layers": args.layers, "repeats": args.repeats,
+               "loadavg_1m_at_end": os.getloadavg()[0]}  # fmt: skip
+        out.update({k: _rounded(v) for k, v in results.items()})
         print(json.dumps(out))
     dist.destroy_process_group()
 
@@ -268,6 +288,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--ks", default="1,5,20", help="checkpoint every k steps")
     parser.add_argument("--wrappers", default="fsdp,ddp")
+    parser.add_argument("--methods", default="torch,shardkit,manager",
+                        help="which savers run (torch and none always do)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="interleaved repeats; figures are medians over them")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--quick", action="store_true", help="tiny model: proves it runs")
     args = parser.parse_args()
@@ -275,6 +299,7 @@ def main() -> None:
         args.d_model, args.layers, args.vocab, args.steps = 128, 2, 1024, 10
     args.ks = [int(k) for k in args.ks.split(",")]
     args.wrappers = args.wrappers.split(",")
+    args.methods = args.methods.split(",")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -3,7 +3,7 @@
 
 The state is ``--tensors`` parameters of an SGD optimizer that has stepped (so shardkit
 knows them). Each repeat waits for the previous save first (outside the timed call), so
-only the call itself is timed. One JSON line: medians in ms and ratios per size.
+only the call itself is timed. One JSON line: medians in ms, their spread and ratios per size.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 import shardkit.checkpoint as sk
 
 
-def _time_calls(save, repeats: int) -> float:
+def _time_calls(save, repeats: int) -> list[float]:
     times, fut = [], None
     for r in range(repeats + 1):  # the first call (group creation, page faults) is dropped
         if fut is not None:
@@ -34,10 +34,10 @@ def _time_calls(save, repeats: int) -> float:
         if r:
             times.append(time.perf_counter() - start)
     fut.result()
-    return 1e3 * statistics.median(times)
+    return [1e3 * t for t in times]
 
 
-def _measure(state: dict, root: str, repeats: int) -> tuple[float, float, float]:
+def _measure(state: dict, root: str, repeats: int) -> tuple[list, list, list]:
     def path(tag, r):
         return f"{root}/{tag}-{r % 2}"
 
@@ -76,18 +76,28 @@ def main() -> None:
             opt.step()  # shardkit learns the optimizer here
             state = {f"p{i}": p for i, p in enumerate(params)}
 
-            zs, full, tdcp = _measure(state, root, args.repeats)
+            zs_ms, full_ms, tdcp_ms = _measure(state, root, args.repeats)
+            zs, full, tdcp = (statistics.median(v) for v in (zs_ms, full_ms, tdcp_ms))
             out[f"{mib}MiB"] = {
                 "shardkit_zero_stall_ms": round(zs, 3),
                 "shardkit_copy_in_call_ms": round(full, 3),
                 "torch_dcp_ms": round(tdcp, 3),
                 "zero_stall_vs_dcp": round(zs / tdcp, 4),
+                "min_max_ms": {
+                    name: [round(min(v), 3), round(max(v), 3)]
+                    for name, v in (
+                        ("zero_stall", zs_ms),
+                        ("copy_in_call", full_ms),
+                        ("torch_dcp", tdcp_ms),
+                    )
+                },  # fmt: skip
             }
             del params, opt, state
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root, exist_ok=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    out["loadavg_1m_at_end"] = os.getloadavg()[0]
     print(json.dumps(out))
     dist.destroy_process_group()
 

@@ -1,8 +1,13 @@
 """SIGKILL while a zero-stall async save stages in the background: nothing new is
 committed or listed, and the previous checkpoint loads bit for bit.
 
-The child holds its staging copy at a gate (it patches the copy call to print STAGING
+The child holds its staging copy at a gate (it patches the copy call to report STAGING
 and block), so the kill lands mid-staging every time, after training went on.
+
+The child reports from two threads at once (STAGING from the staging thread, RETURNED
+from the main one), so each report is one ``os.write`` of a whole line: ``print`` writes
+the text and the newline separately, and the two threads' writes then interleave
+("RETURNEDSTAGING\n\n"), which left the parent waiting for a line that never came.
 """
 
 import os
@@ -15,7 +20,7 @@ import torch
 import shardkit.checkpoint as dcp
 
 CHILD = r"""
-import faulthandler, sys, threading, torch
+import faulthandler, os, sys, threading, torch
 faulthandler.dump_traceback_later(120, exit=True)  # a hang fails with the stacks, not silently
 import shardkit.checkpoint as dcp
 from shardkit.checkpoint._core import _async
@@ -38,13 +43,13 @@ real, gate = _async.copy_into, threading.Event()
 
 def gated(dst, src):
     real(dst, src)  # one piece copied, then the kill arrives
-    print("STAGING", flush=True)
+    os.write(1, b"STAGING\n")  # one write: atomic on a pipe, never interleaved
     gate.wait()
 
 _async.copy_into = gated
 step()
 mgr.save_async(2, state(), force=True) if mgr else dcp.async_save(state(), checkpoint_id=path)
-print("RETURNED", flush=True)
+os.write(1, b"RETURNED\n")
 threading.Event().wait()
 """
 
@@ -62,6 +67,7 @@ def _run_and_kill(path, use_manager):
         while seen != {"STAGING", "RETURNED"}:
             line = proc.stdout.readline()
             assert line, f"child exited early: {proc.wait()} {proc.stderr.read()}"
+            assert line.strip() in {"STAGING", "RETURNED"}, f"unexpected line {line!r}"
             seen.add(line.strip())
     finally:
         proc.send_signal(signal.SIGKILL)
