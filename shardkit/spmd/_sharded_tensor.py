@@ -114,8 +114,10 @@ class ShardedTensor(torch.Tensor):
     ) -> ShardedTensor:
         # rules pass torch.Size or tuples of ints; anything else (SymInts, numpy ints) is
         # converted
-        shape = global_shape if type(global_shape) is torch.Size else torch.Size(
-            int(s) for s in global_shape
+        shape = (
+            global_shape
+            if type(global_shape) is torch.Size
+            else torch.Size(int(s) for s in global_shape)
         )
         out = torch.Tensor._make_wrapper_subclass(
             cls,

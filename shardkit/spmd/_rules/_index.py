@@ -191,7 +191,9 @@ def _index_put(func, args, kwargs):
 
     candidates = []
     if is_st(st):
-        candidates.append(tuple(() if d in indexed else a for d, a in enumerate(st._placement.spec)))
+        candidates.append(
+            tuple(() if d in indexed else a for d, a in enumerate(st._placement.spec))
+        )
     if is_st(values) and not inplace:
         candidates.append(from_values(values._placement.spec))
     candidates.append(((),) * len(shape))
