@@ -149,9 +149,14 @@ _METADATA_MUTATING = frozenset(
     | {"view_as_complex"}
 )
 
-#: per op: 0 no fast path, 1 the all-replicated path, 2 also the uniform-layout path
+#: per-op fast handlers ``handler(func, args, kwargs)`` that return the result or
+#: ``SLOW`` (then the usual path runs): memoized layouts of views, for example
+FAST_HANDLERS: dict = {}
+
+#: per op: 0 no fast path, 1 the all-replicated path, 2 also the uniform-layout path,
+#: 3 a handler in FAST_HANDLERS
 _FAST_KIND: dict = {}
-_SLOW = object()
+SLOW = _SLOW = object()
 _REPLICATED: dict = {}  # (mesh, ndim) -> replicated Placement
 
 
@@ -160,6 +165,8 @@ def _fast_kind(func) -> int:
     if kind is None:
         if func.namespace != "aten" or func.overloadpacket.__name__ in _METADATA_MUTATING:
             kind = 0
+        elif func in FAST_HANDLERS:
+            kind = 3
         else:
             rule = _RULES[func] if func in _RULES else _rule_for(func)
             kind = 2 if rule in UNIFORM_RULES else 1
@@ -275,7 +282,10 @@ def dispatch(func, args: tuple, kwargs: dict):
         _ST = _sharded_type()
     kind = _FAST_KIND[func] if func in _FAST_KIND else _fast_kind(func)
     if kind:
-        out = _fast(func, args, kwargs, kind)
+        if kind == 3:
+            out = FAST_HANDLERS[func](func, args, kwargs)
+        else:
+            out = _fast(func, args, kwargs, kind)
         if out is not _SLOW:
             return out
     for detect, handle in _SPECIAL_OPERANDS:
