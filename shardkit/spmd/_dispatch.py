@@ -163,10 +163,10 @@ _REPLICATED: dict = {}  # (mesh, ndim) -> replicated Placement
 def _fast_kind(func) -> int:
     kind = _FAST_KIND.get(func)
     if kind is None:
-        if func.namespace != "aten" or func.overloadpacket.__name__ in _METADATA_MUTATING:
-            kind = 0
-        elif func in FAST_HANDLERS:
+        if func in FAST_HANDLERS:
             kind = 3
+        elif func.namespace != "aten" or func.overloadpacket.__name__ in _METADATA_MUTATING:
+            kind = 0
         else:
             rule = _RULES[func] if func in _RULES else _rule_for(func)
             kind = 2 if rule in UNIFORM_RULES else 1
