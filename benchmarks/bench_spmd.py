@@ -216,7 +216,8 @@ def _warm_up_and_count(steps: dict, warmups: int) -> tuple[dict, dict]:
     losses, comm = {}, {}
     for name, step in steps.items():
         for _ in range(warmups):
-            losses[name] = float(step())
+            loss = step()
+            losses[name] = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         if name == "shardkit":
             xs.reset_fallback_counts()
             with xs.count_collectives() as counts:
