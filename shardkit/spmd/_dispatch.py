@@ -4,6 +4,10 @@ The fallback gathers every sharded input, runs the op on full tensors, writes ba
 input the op mutates, and re-shards each output like the first sharded input when its
 sharded dims kept their sizes (otherwise the output is replicated). It is correct for
 every deterministic op, counted per op name and logged once per op name.
+
+Before any rule, cheap fast paths serve what a rule would answer anyway: ops whose
+operands are all replicated, pointwise ops whose operands share one layout, and views
+whose output layout is memoized (see ``_fast`` and ``FAST_HANDLERS``).
 """
 
 from __future__ import annotations
