@@ -15,25 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import socket
 import statistics
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+from _common import medians, spawn_ranks, spread, status_kb, worst_rank
 
 
 def _model(blocks: int, d: int):
@@ -93,20 +78,12 @@ def _state_bytes(model, opt) -> int:
     return n
 
 
-def _worker(framework, rank, world, port, cfg, queue):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
+def _worker(rank, world, framework, cfg):
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    baseline = _status_kb("VmRSS")
+    baseline = status_kb("VmRSS")
     llama = cfg["model"] == "llama"
     model, block_cls = (_llama if llama else _model)(cfg["blocks"], cfg["d"])
     # unsharded parameters + gradients + two Adam moments, all fp32
@@ -155,37 +132,27 @@ def _worker(framework, rank, world, port, cfg, queue):
             times.append(time.perf_counter() - start)
     figures = dict(
         step_s=statistics.median(times),
-        peak_rss_mb=_status_kb("VmHWM") / 1024,
-        peak_above_baseline_mb=(_status_kb("VmHWM") - baseline) / 1024,
+        peak_rss_mb=status_kb("VmHWM") / 1024,
+        peak_above_baseline_mb=(status_kb("VmHWM") - baseline) / 1024,
         # this rank's parameter + gradient + Adam state, as a share of the unsharded total
         state_share=held / full_bytes,
     )
     if framework == "shardkit":
         figures["max_units_gathered"] = GATHER_STATS.peak
-    queue.put((rank, figures))
     dist.destroy_process_group()
+    return figures
 
 
 def _run(framework: str, cfg: dict) -> dict:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(framework, r, 2, port, cfg, queue)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"{framework} rank failed with exit code {p.exitcode}")
-    return {k: max(r[k] for r in results.values()) for k in results[0]}
+    return worst_rank(spawn_ranks(_worker, 2, framework, cfg))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per framework")
+    parser.add_argument(
+        "--repeats", type=int, help="alternating runs per framework (default 5, quick 1)"
+    )
     parser.add_argument("--model", choices=("mlp", "llama"), default="mlp", help="what to train")
     args = parser.parse_args()
     cfg = dict(blocks=8, d=512, batch=4, seq=32, warmup=2, steps=6)
@@ -193,22 +160,25 @@ def main() -> None:
         cfg = dict(blocks=4, d=512, batch=4, seq=64, warmup=2, steps=6)
     if args.quick:
         cfg = dict(blocks=2, d=64, batch=2, seq=8, warmup=1, steps=2)
-        args.repeats = 1
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 5
     cfg["model"] = args.model
     runs: dict[str, list[dict]] = {"shardkit": [], "torch_fsdp2": []}
     for _ in range(args.repeats):  # alternate, so machine noise hits both alike
         for name in runs:
             runs[name].append(_run("shardkit" if name == "shardkit" else "torch", cfg))
-    figures = {
-        name: {k: round(statistics.median(r[k] for r in rs), 4) for k in rs[0]}
-        for name, rs in runs.items()
-    }
+    figures = {name: medians(rs) for name, rs in runs.items()}
     sk, tf = figures["shardkit"], figures["torch_fsdp2"]
+    # each repeat runs both frameworks back to back: their ratio per repeat shows how
+    # much of the spread is the machine (it moves both) and how much is either side
+    per_run = [a["step_s"] / b["step_s"] for a, b in zip(runs["shardkit"], runs["torch_fsdp2"])]
     out = {
         "benchmark": "fsdp" if args.model == "mlp" else "fsdp_llama",
         "config": {**cfg, "ranks": 2, "threads_per_rank": 1, "repeats": args.repeats},
         **figures,
         "step_time_ratio": round(sk["step_s"] / tf["step_s"], 3),
+        "step_time_ratio_per_repeat": [round(r, 3) for r in per_run],
+        "step_time_spread": {n: spread([r["step_s"] for r in rs]) for n, rs in runs.items()},
         "peak_rss_ratio": round(sk["peak_rss_mb"] / tf["peak_rss_mb"], 3),
         "peak_above_baseline_ratio": round(
             sk["peak_above_baseline_mb"] / max(tf["peak_above_baseline_mb"], 1e-9), 3

@@ -22,26 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
-import statistics
 import tempfile
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+from _common import medians, reset_peak_rss, spawn_ranks, spread, status_kb, worst_rank
 
 
 def _config(cfg: dict):
@@ -111,15 +96,7 @@ def _checksum(framework: str, model) -> float:
     return float(sum(v.double().sum() for v in sd.values() if torch.is_floating_point(v)))
 
 
-def _worker(framework, phase, rank, world, port, cfg, tmp, queue):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    import torch
+def _worker(rank, world, framework, phase, cfg, tmp):
     import torch.distributed as dist
     import torch.distributed.checkpoint as tdcp
 
@@ -128,13 +105,11 @@ def _worker(framework, phase, rank, world, port, cfg, tmp, queue):
     from shardkit.checkpoint.hf import load_hf, to_hf
     from shardkit.checkpoint.state_dict import get_model_state_dict
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _model(framework, cfg, seed=0 if phase == "export" else 1)
     dist.barrier()
-    baseline = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM: building the model is not part of the phase's peak
+    baseline = status_kb("VmRSS")
+    reset_peak_rss()  # building the model is not part of the phase's peak
     out = f"{tmp}/{framework}-{phase}"
     figures = {}
     start = time.perf_counter()
@@ -165,7 +140,7 @@ def _worker(framework, phase, rank, world, port, cfg, tmp, queue):
         tdcp.load(sd, storage_reader=tdcp.HuggingFaceStorageReader(f"{tmp}/hf"))
     dist.barrier()
     figures["seconds"] = time.perf_counter() - start
-    extra = (_status_kb("VmHWM") - baseline) * 1024
+    extra = (status_kb("VmHWM") - baseline) * 1024
     figures["peak_above_baseline_mb"] = extra / 2**20
     # the memory target: (this rank's shard + the extra peak) over
     # (this rank's shard + the largest tensor), at most 1.5
@@ -174,39 +149,29 @@ def _worker(framework, phase, rank, world, port, cfg, tmp, queue):
     figures["rss_vs_shard_plus_largest"] = (shard + extra) / (shard + largest)
     if phase == "import":
         figures["checksum"] = _checksum(framework, model)
-    queue.put((rank, figures))
     dist.destroy_process_group()
+    return figures
 
 
 def _run(framework: str, phase: str, cfg: dict, tmp: str) -> dict:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
     run_dir = tempfile.mkdtemp(dir=tmp)
     if phase == "import":
         os.symlink(f"{tmp}/hf", f"{run_dir}/hf")
-    args = (framework, phase)
-    procs = [
-        ctx.Process(target=_worker, args=(*args, r, 2, port, cfg, run_dir, queue)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"{framework} {phase} rank failed with exit code {p.exitcode}")
-    return {k: max(r[k] for r in results.values()) for k in results[0]}
+    return worst_rank(spawn_ranks(_worker, 2, framework, phase, cfg, run_dir))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one repeat")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs per framework")
+    parser.add_argument(
+        "--repeats", type=int, help="alternating runs per framework (default 5, quick 1)"
+    )
     args = parser.parse_args()
     cfg = dict(d=1024, layers=4, vocab=16384, shard_bytes=64 << 20)
     if args.quick:
         cfg = dict(d=128, layers=2, vocab=512, shard_bytes=256 << 10)
-        args.repeats = 1
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 5
     import torch
     from transformers import LlamaForCausalLM
 
@@ -220,11 +185,18 @@ def main() -> None:
         for _ in range(args.repeats):  # alternate, so machine noise hits both alike
             for (framework, phase), rs in runs.items():
                 rs.append(_run(framework, phase, cfg, tmp))
-    figures = {}
-    for (framework, phase), rs in runs.items():
-        figures[f"{framework}_{phase}"] = {
-            k: round(statistics.median(r[k] for r in rs), 4) for k in rs[0]
-        }
+    figures = {f"{framework}_{phase}": medians(rs) for (framework, phase), rs in runs.items()}
+    spreads = {
+        f"{framework}_{phase}": spread([r["seconds"] for r in rs])
+        for (framework, phase), rs in runs.items()
+    }
+    per_repeat = {
+        phase: [
+            round(a["seconds"] / b["seconds"], 3)
+            for a, b in zip(runs[("shardkit", phase)], runs[("torch", phase)])
+        ]
+        for phase in ("export", "import")
+    }
     for framework in ("shardkit", "torch"):
         got = figures[f"{framework}_import"].pop("checksum")
         if abs(got - checksum) > 1e-6 * max(abs(checksum), 1.0):
@@ -240,6 +212,8 @@ def main() -> None:
                 "export_time_ratio": round(sk_e["seconds"] / t_e["seconds"], 3),
                 "to_hf_only_time_ratio": round(sk_e["to_hf_s"] / t_e["seconds"], 3),
                 "import_time_ratio": round(sk_i["seconds"] / t_i["seconds"], 3),
+                "time_ratio_per_repeat": per_repeat,
+                "time_spread": spreads,
                 "export_peak_ratio": round(
                     sk_e["peak_above_baseline_mb"] / max(t_e["peak_above_baseline_mb"], 1e-9), 3
                 ),

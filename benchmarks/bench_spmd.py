@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import sys
-import time
 
 import torch
-import torch.multiprocessing as mp
+from _common import spawn_ranks, spread, time_abba
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -211,12 +208,32 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _llama_worker(rank, world, port, cfg, queue, only):
-    """Time both sides (ABBA) in one world, or, with ``only``, run one side for its RSS."""
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def _warm_up_and_count(steps: dict, warmups: int) -> tuple[dict, dict]:
+    """Run each side ``warmups`` times (the last loss checks agreement), then one step
+    counting its collectives (and, for shardkit, its fallbacks)."""
+    import shardkit.spmd as xs
+
+    losses, comm = {}, {}
+    for name, step in steps.items():
+        for _ in range(warmups):
+            loss = step()
+            losses[name] = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        if name == "shardkit":
+            xs.reset_fallback_counts()
+            with xs.count_collectives() as counts:
+                step()
+            comm[name] = (counts.total_calls(), counts.total_bytes(), str(dict(counts.calls)))
+            comm["fallbacks"] = dict(xs.fallback_counts())
+        else:
+            with _CollectiveBytes() as counter:
+                step()
+            comm[name] = (counter.calls, counter.bytes, str(counter.ops))
+    return losses, comm
+
+
+def _llama_worker(rank, world, cfg, only):
+    """Time both sides (ABBA) in one world, or, with ``only``, run one side for its RSS.
+    Rank 0 returns the figures."""
     import copy
 
     import shardkit.runtime as xr
@@ -234,73 +251,42 @@ def _llama_worker(rank, world, port, cfg, queue, only):
             step()
         peak = torch.tensor([_peak_rss_mb()])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            queue.put(float(peak))
         dist.destroy_process_group()
-        return
+        return float(peak) if rank == 0 else None
     steps = {name: make(copy.deepcopy(base), batch, world) for name, make in makers.items()}
-    losses, comm = {}, {}
-    for name, step in steps.items():
-        losses[name] = step()  # warm-up; the first step's loss checks agreement
-        if name == "shardkit":
-            import shardkit.spmd as xs
-
-            xs.reset_fallback_counts()
-            with xs.count_collectives() as counts:
-                step()
-            comm[name] = (counts.total_calls(), counts.total_bytes(), str(dict(counts.calls)))
-            comm["fallbacks"] = dict(xs.fallback_counts())
-        else:
-            with _CollectiveBytes() as counter:
-                step()
-            comm[name] = (counter.calls, counter.bytes, str(counter.ops))
-    times = {name: [] for name in steps}
-    for round_ in range(cfg["repeats"]):
-        order = list(steps.items())
-        for name, step in order if round_ % 2 == 0 else order[::-1]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(cfg["inner"]):
-                step()
-            dist.barrier()
-            times[name].append((time.perf_counter() - t0) / cfg["inner"])
-    if rank == 0:
-        queue.put({"losses": losses, "comm": comm, "times": times})
+    losses, comm = _warm_up_and_count(steps, 1)
+    times, cpu = time_abba(steps, cfg["repeats"], cfg["inner"], dist.barrier)
     dist.destroy_process_group()
-
-
-def _spawn(target, world, *args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get()
-    for p in procs:
-        p.join()
-    return result
-
-
-def _llama_spawn(rank, world, port, cfg, only, queue):
-    _llama_worker(rank, world, port, cfg, queue, only)
+    return {"losses": losses, "comm": comm, "times": times, "cpu": cpu} if rank == 0 else None
 
 
 def run_llama(world: int, cfg: dict) -> dict:
-    result = _spawn(_llama_spawn, world, cfg, None)
-    rss = {name: _spawn(_llama_spawn, world, cfg, name) for name in ("shardkit", "dtensor")}
-    sk, dt = (statistics.median(result["times"][k]) for k in ("shardkit", "dtensor"))
-    spread = {
-        k: round((max(v) - min(v)) / statistics.median(v), 3) for k, v in result["times"].items()
+    result = spawn_ranks(_llama_worker, world, cfg, None, results=1)[0]
+    rss = {
+        name: spawn_ranks(_llama_worker, world, cfg, name, results=1)[0]
+        for name in ("shardkit", "dtensor")
     }
+    return _row(world, result) | {
+        "shardkit_fallbacks": result["comm"]["fallbacks"],
+        "shardkit_peak_rss_mb": round(rss["shardkit"], 1),
+        "dtensor_peak_rss_mb": round(rss["dtensor"], 1),
+        "peak_rss_ratio": round(rss["shardkit"] / rss["dtensor"], 3),
+    }
+
+
+def _row(world: int, result: dict) -> dict:
+    """Medians, spreads and ratios of one world's timing and traffic."""
+    sk, dt = (statistics.median(result["times"][k]) for k in ("shardkit", "dtensor"))
+    sk_cpu, dt_cpu = (statistics.median(result["cpu"][k]) for k in ("shardkit", "dtensor"))
     return {
         "ranks": world,
         "shardkit_step_ms": round(sk * 1e3, 3),
         "dtensor_step_ms": round(dt * 1e3, 3),
         "step_time_ratio": round(sk / dt, 3),
-        "step_time_spread": spread,
+        "step_time_spread": {k: spread(v) for k, v in result["times"].items()},
+        "shardkit_cpu_ms": round(sk_cpu * 1e3, 3),
+        "dtensor_cpu_ms": round(dt_cpu * 1e3, 3),
+        "cpu_time_ratio": round(sk_cpu / dt_cpu, 3),
         "shardkit_bytes": result["comm"]["shardkit"][1],
         "dtensor_bytes": result["comm"]["dtensor"][1],
         "bytes_ratio": round(
@@ -310,19 +296,11 @@ def run_llama(world: int, cfg: dict) -> dict:
         "dtensor_collectives": result["comm"]["dtensor"][0],
         "shardkit_collective_kinds": result["comm"]["shardkit"][2],
         "dtensor_collective_kinds": result["comm"]["dtensor"][2],
-        "shardkit_fallbacks": result["comm"]["fallbacks"],
-        "shardkit_peak_rss_mb": round(rss["shardkit"], 1),
-        "dtensor_peak_rss_mb": round(rss["dtensor"], 1),
-        "peak_rss_ratio": round(rss["shardkit"] / rss["dtensor"], 3),
         "loss_diff": abs(result["losses"]["shardkit"] - result["losses"]["dtensor"]),
     }
 
 
-def _worker(rank, world, port, cfg, queue):
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def _worker(rank, world, cfg):
     import shardkit.runtime as xr
 
     xr.init(backend="gloo")
@@ -337,64 +315,14 @@ def _worker(rank, world, port, cfg, queue):
         "shardkit": _shardkit_step_fn(copy.deepcopy(base), x, world),
         "dtensor": _dtensor_step_fn(copy.deepcopy(base), x, world),
     }
-    losses, comm = {}, {}
-    for name, step in steps.items():
-        for _ in range(2):  # warm-up (also the correctness check)
-            losses[name] = float(step())
-        if name == "shardkit":
-            import shardkit.spmd as xs
-
-            with xs.count_collectives() as counts:
-                step()
-            comm[name] = (counts.total_calls(), counts.total_bytes(), str(dict(counts.calls)))
-        else:
-            with _CollectiveBytes() as counter:
-                step()
-            comm[name] = (counter.calls, counter.bytes, str(counter.ops))
-    times = {name: [] for name in steps}
-    for round_ in range(cfg["repeats"]):
-        order = list(steps.items())
-        for name, step in order if round_ % 2 == 0 else order[::-1]:  # ABBA: no order bias
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(cfg["inner"]):
-                step()
-            dist.barrier()
-            times[name].append((time.perf_counter() - t0) / cfg["inner"])
-    if rank == 0:
-        queue.put({"losses": losses, "comm": comm, "times": times})
+    losses, comm = _warm_up_and_count(steps, 2)
+    times, cpu = time_abba(steps, cfg["repeats"], cfg["inner"], dist.barrier)
     dist.destroy_process_group()
+    return {"losses": losses, "comm": comm, "times": times, "cpu": cpu} if rank == 0 else None
 
 
 def run(world: int, cfg: dict) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get()
-    for p in procs:
-        p.join()
-    sk, dt = (statistics.median(result["times"][k]) for k in ("shardkit", "dtensor"))
-    return {
-        "ranks": world,
-        "shardkit_step_ms": round(sk * 1e3, 3),
-        "dtensor_step_ms": round(dt * 1e3, 3),
-        "step_time_ratio": round(sk / dt, 3),
-        "shardkit_bytes": result["comm"]["shardkit"][1],
-        "dtensor_bytes": result["comm"]["dtensor"][1],
-        "bytes_ratio": round(
-            result["comm"]["shardkit"][1] / max(result["comm"]["dtensor"][1], 1), 3
-        ),
-        "shardkit_collectives": result["comm"]["shardkit"][0],
-        "dtensor_collectives": result["comm"]["dtensor"][0],
-        "shardkit_collective_kinds": result["comm"]["shardkit"][2],
-        "dtensor_collective_kinds": result["comm"]["dtensor"][2],
-        "loss_diff": abs(result["losses"]["shardkit"] - result["losses"]["dtensor"]),
-    }
+    return _row(world, spawn_ranks(_worker, world, cfg, results=1)[0])
 
 
 def main(argv=None) -> None:

@@ -23,10 +23,13 @@ LAYER_CLS = {
 }
 
 
-def config(kind: str):
-    """A 2-layer config of ``kind``; Llama has grouped-query attention (4 heads, 2 kv)."""
+def config(kind: str, **overrides):
+    """A 2-layer config of ``kind``; Llama has grouped-query attention (4 heads, 2 kv).
+
+    ``overrides`` replace or add config fields (``use_cache=True``, dropout rates, ...).
+    """
     if kind.startswith("llama"):
-        return LlamaConfig(
+        fields = dict(
             vocab_size=VOCAB,
             hidden_size=32,
             intermediate_size=64,
@@ -39,8 +42,9 @@ def config(kind: str):
             attn_implementation="eager" if kind == "llama_eager" else "sdpa",
             architectures=["LlamaForCausalLM"],
         )
+        return LlamaConfig(**{**fields, **overrides})
     if kind == "gpt2":
-        return GPT2Config(
+        fields = dict(
             vocab_size=VOCAB,
             n_embd=32,
             n_layer=2,
@@ -55,8 +59,9 @@ def config(kind: str):
             attn_implementation="sdpa",
             architectures=["GPT2LMHeadModel"],
         )
+        return GPT2Config(**{**fields, **overrides})
     if kind == "bert":
-        return BertConfig(
+        fields = dict(
             vocab_size=VOCAB,
             hidden_size=32,
             num_hidden_layers=2,
@@ -68,14 +73,17 @@ def config(kind: str):
             attn_implementation="sdpa",
             architectures=["BertForMaskedLM"],
         )
+        return BertConfig(**{**fields, **overrides})
     raise ValueError(f"unknown model kind {kind!r}; pick one of {KINDS}")
 
 
-def build(kind: str, seed: int = 0):
-    """The model of ``kind`` with seeded random weights, in train mode, dropout off."""
+def build(kind: str, seed: int = 0, *, cls=None, **overrides):
+    """The model of ``kind`` with seeded random weights, in train mode, dropout off
+    unless ``overrides`` (config fields) turn it on; ``cls`` picks another head class."""
     torch.manual_seed(seed)
-    cfg = config(kind)
-    cls = {"gpt2": GPT2LMHeadModel, "bert": BertForMaskedLM}.get(kind, LlamaForCausalLM)
+    cfg = config(kind, **overrides)
+    if cls is None:
+        cls = {"gpt2": GPT2LMHeadModel, "bert": BertForMaskedLM}.get(kind, LlamaForCausalLM)
     model = cls(cfg)
     model.train()
     return model

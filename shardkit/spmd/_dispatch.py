@@ -4,6 +4,10 @@ The fallback gathers every sharded input, runs the op on full tensors, writes ba
 input the op mutates, and re-shards each output like the first sharded input when its
 sharded dims kept their sizes (otherwise the output is replicated). It is correct for
 every deterministic op, counted per op name and logged once per op name.
+
+Before any rule, cheap fast paths serve what a rule would answer anyway: ops whose
+operands are all replicated, pointwise ops whose operands share one layout, and views
+whose output layout is memoized (see ``_fast`` and ``FAST_HANDLERS``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Declined:
         return f"Declined({self.reason!r})"
 
 
+_ST = None  # ShardedTensor, bound on first dispatch (its module imports this one)
 _RULES: dict[object, Rule] = {}
 #: (predicate(func), rule) pairs consulted, in order, for ops with no registered rule.
 _CLASS_RULES: list[tuple[Callable[[object], bool], Rule]] = []
@@ -132,9 +137,161 @@ def _watch_plain(args: tuple) -> None:
 _SPECIAL_OPERANDS: list[tuple[Callable, Callable]] = []
 
 
+#: rules that, given operands that all have one placement and one shape, return exactly
+#: that placement and shape while computing on the local shards alone (pointwise ops);
+#: filled by ``_rules/__init__.py``
+UNIFORM_RULES: set = set()
+
+#: ops never on the fast paths: in-place ops that change their operand's shape or strides
+#: (the wrapper would keep the old global shape), and stride-sensitive views
+_METADATA_MUTATING = frozenset(
+    {"resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_"}
+    | {"transpose_", "t_", "swapdims_", "swapaxes_", "_unsafe_set"}
+    # views that need the operand's real strides: a ShardedTensor reports the global
+    # tensor's strides, which its local tensor need not have (their rules reshape)
+    | {"view", "_unsafe_view", "as_strided", "_reshape_alias", "view_as_real"}
+    | {"view_as_complex"}
+)
+
+#: per-op fast handlers ``handler(func, args, kwargs)`` that return the result or
+#: ``SLOW`` (then the usual path runs): memoized layouts of views, for example
+FAST_HANDLERS: dict = {}
+
+#: per op: 0 no fast path, 1 the all-replicated path, 2 also the uniform-layout path,
+#: 3 a handler in FAST_HANDLERS
+_FAST_KIND: dict = {}
+SLOW = _SLOW = object()
+_REPLICATED: dict = {}  # (mesh, ndim) -> replicated Placement
+
+
+def _fast_kind(func) -> int:
+    kind = _FAST_KIND.get(func)
+    if kind is None:
+        if func in FAST_HANDLERS:
+            kind = 3
+        elif func.namespace != "aten" or func.overloadpacket.__name__ in _METADATA_MUTATING:
+            kind = 0
+        else:
+            rule = _RULES[func] if func in _RULES else _rule_for(func)
+            kind = 2 if rule in UNIFORM_RULES else 1
+        _FAST_KIND[func] = kind
+    return kind
+
+
+def _replicated(mesh, ndim: int) -> Placement:
+    key = (mesh, ndim)
+    placement = _REPLICATED.get(key)
+    if placement is None:
+        placement = _REPLICATED[key] = Placement.replicated(mesh, ndim)
+    return placement
+
+
+def _fast(func, args: tuple, kwargs: dict, kind: int):
+    """Run ``func`` on the local shards without consulting a rule, when that is exactly
+    what the rule would do; ``_SLOW`` otherwise.
+
+    Two cases, checked in one pass over the operands:
+
+    - *all replicated*: every ShardedTensor operand is replicated with no pending sum
+      (plain tensors count as replicated, as everywhere). Each rank holds the whole
+      tensors, so the op runs as on one device and every tensor output is replicated.
+    - *uniform* (pointwise ops only, ``kind == 2``): every tensor operand is a
+      ShardedTensor with the same placement (no pending sum) and the same shape, and no
+      tensor comes through a list or a keyword. The pointwise rule would choose that
+      placement at zero cost; the output has it too.
+
+    An output that is an operand's own local tensor (an in-place op) is that operand.
+    """
+    st_type = _ST
+    placement = shape = None
+    uniform = kind == 2
+    replicated = True
+    for a in args:
+        t = type(a)
+        if t is st_type:
+            p = a._placement
+            if placement is None:
+                placement, shape = p, a.shape
+            elif uniform and (a.shape != shape or (p is not placement and p != placement)):
+                uniform = False
+            if not p._replicated:
+                replicated = False
+        elif t is list or t is tuple:
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    uniform = False
+                    if type(b) is st_type:
+                        if placement is None:
+                            placement = b._placement
+                        if not b._placement._replicated:
+                            return _SLOW
+                    elif isinstance(b, st_type):
+                        return _SLOW
+        elif isinstance(a, torch.Tensor):
+            if isinstance(a, st_type):
+                return _SLOW  # a ShardedTensor subclass (folded dims) has its own path
+            uniform = False
+        if not (uniform or replicated):
+            return _SLOW
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            uniform = False
+            if isinstance(v, st_type) and (type(v) is not st_type or not v._placement._replicated):
+                return _SLOW
+        elif isinstance(v, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in v):
+            return _SLOW
+    if placement is None or not (uniform or replicated):
+        return _SLOW
+    if placement.partial:
+        return _SLOW
+    inputs = {}
+    largs = [_unwrap(a, inputs) for a in args]
+    lkwargs = {k: _unwrap(v, inputs) for k, v in kwargs.items()} if kwargs else kwargs
+    out = func(*largs, **lkwargs)
+    if uniform:
+        return _rewrap(out, inputs, placement, shape)
+    return _rewrap(out, inputs, placement.mesh, None)
+
+
+def _unwrap(value, inputs: dict):
+    if type(value) is _ST:
+        local = value._local_tensor
+        inputs[id(local)] = value
+        return local
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_unwrap(v, inputs) for v in value)
+    return value
+
+
+def _rewrap(out, inputs: dict, where, shape):
+    """Wrap a local result: under placement ``where`` with global ``shape`` (uniform), or
+    replicated on mesh ``where`` (``shape`` None)."""
+    if isinstance(out, torch.Tensor):
+        mine = inputs.get(id(out))
+        if mine is not None:
+            return mine
+        if shape is None:
+            return _ST(out, _replicated(where, out.ndim), out.shape)
+        return _ST(out, where, shape)
+    if type(out) is tuple or type(out) is list:
+        return type(out)(_rewrap(o, inputs, where, shape) for o in out)
+    return out
+
+
 def dispatch(func, args: tuple, kwargs: dict):
+    global _ST
     if torch.is_grad_enabled():
         _watch_plain(args)
+    if _ST is None:
+        _ST = _sharded_type()
+    kind = _FAST_KIND[func] if func in _FAST_KIND else _fast_kind(func)
+    if kind:
+        if kind == 3:
+            out = FAST_HANDLERS[func](func, args, kwargs)
+        else:
+            out = _fast(func, args, kwargs, kind)
+        if out is not _SLOW:
+            return out
     for detect, handle in _SPECIAL_OPERANDS:
         if detect(args, kwargs):
             return handle(func, args, kwargs, _dispatch_rules)

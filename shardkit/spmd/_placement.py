@@ -31,6 +31,11 @@ class Placement:
         for axis, op in self.partial:
             assert op in _REDUCE_OPS, op
             assert all(axis not in axes for axes in self.spec), (axis, self.spec)
+        # asked on every dispatched op (the replicated fast path): compute it once; not a
+        # field, so equality and hashing ignore it
+        object.__setattr__(
+            self, "_replicated", not self.partial and all(not axes for axes in self.spec)
+        )
 
     @classmethod
     def from_user(cls, mesh: Mesh, spec: PartitionSpec, ndim: int) -> Placement:
@@ -49,7 +54,7 @@ class Placement:
         return tuple(a for a, _ in self.partial)
 
     def is_replicated(self) -> bool:
-        return not self.partial and all(not axes for axes in self.spec)
+        return self._replicated
 
     def without_partial(self) -> Placement:
         return Placement(self.mesh, self.spec)

@@ -64,7 +64,8 @@ class XLAShard:
         return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for size in reversed(shape):
         strides.append(acc)
@@ -80,7 +81,7 @@ def _global_strides(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...
     layout keeps those choices the ones single-device torch makes.
     """
     if local.ndim != len(shape) or local.is_contiguous():
-        return _contiguous_strides(shape)
+        return _contiguous_strides(tuple(shape))
     order = sorted(range(local.ndim), key=lambda d: local.stride(d), reverse=True)
     strides, acc = [0] * local.ndim, 1
     for d in reversed(order):
@@ -111,7 +112,13 @@ class ShardedTensor(torch.Tensor):
         *,
         requires_grad: bool = False,
     ) -> ShardedTensor:
-        shape = torch.Size(int(s) for s in global_shape)
+        # rules pass torch.Size or tuples of ints; anything else (SymInts, numpy ints) is
+        # converted
+        shape = (
+            global_shape
+            if type(global_shape) is torch.Size
+            else torch.Size(int(s) for s in global_shape)
+        )
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             shape,

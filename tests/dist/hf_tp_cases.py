@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import hf_models
 import torch
 
 D, M = "data", "model"
@@ -53,61 +54,39 @@ BERT_PLAN = {
 }
 
 
-def llama(attn: str, *, use_cache: bool = True):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation=attn,
+def llama(attn: str, *, use_cache: bool = True, dropout: float = 0.0):
+    return hf_models.build(
+        "llama" if attn == "sdpa" else "llama_eager",
         use_cache=use_cache,
+        attention_dropout=dropout,
+        architectures=None,
     )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
 
 
-def gpt2(attn: str = "sdpa"):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        vocab_size=96,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=64,
+def gpt2(attn: str = "sdpa", *, dropout: float = 0.0):
+    return hf_models.build(
+        "gpt2",
         attn_implementation=attn,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
+        use_cache=True,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        architectures=None,
     )
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(cfg)
 
 
-def bert(attn: str = "sdpa"):
-    from transformers import BertConfig, BertForSequenceClassification
+def bert(attn: str = "sdpa", *, dropout: float = 0.0):
+    from transformers import BertForSequenceClassification
 
-    cfg = BertConfig(
-        vocab_size=96,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
+    return hf_models.build(
+        "bert",
+        cls=BertForSequenceClassification,
         attn_implementation=attn,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
         num_labels=3,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        architectures=None,
     )
-    torch.manual_seed(0)
-    return BertForSequenceClassification(cfg)
 
 
 def _mesh(mesh_shape):
@@ -132,11 +111,20 @@ def _calls(counts) -> dict:
 
 
 def train_side_by_side(
-    ref, plan, mesh_shape, batch: dict, labels_key: str = "labels", *, steps: int = 2
+    ref,
+    plan,
+    mesh_shape,
+    batch: dict,
+    labels_key: str = "labels",
+    *,
+    steps: int = 2,
+    reseed: bool = False,
 ):
     """Train ``ref`` and a sharded copy for ``steps`` AdamW steps on ``batch``.
 
     ``batch`` holds full tensors; dim 0 is sharded over ``'data'`` on a 2-D mesh.
+    ``reseed`` seeds torch's generator identically before each forward of either model
+    (for dropout: shardkit draws the same masks as one device).
     Returns per-step logits / loss errors, the largest gradient and parameter errors,
     collectives and fallbacks per phase (of the last step), and the parameter specs.
     """
@@ -153,9 +141,16 @@ def train_side_by_side(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = {"logits_err": [], "loss_err": [], "grad_err": 0.0}
     xs.reset_fallback_counts()
-    for _ in range(steps):
+
+    def seed(step):
+        if reseed:
+            torch.manual_seed(100 + step)
+
+    for i in range(steps):
+        seed(i)
         r = ref(**batch)
         r.loss.backward()
+        seed(i)
         with xs.count_collectives() as fwd:
             o = model(**sharded)
         with xs.count_collectives() as bwd:
@@ -176,7 +171,10 @@ def train_side_by_side(
         out["logits_err"].append(_err(o.logits, r.logits))
         out["loss_err"].append(_err(o.loss, r.loss))
     with torch.no_grad():
-        out["final_logits_err"] = _err(model(**sharded).logits, ref(**batch).logits)
+        seed(steps)
+        final = model(**sharded).logits
+        seed(steps)
+        out["final_logits_err"] = _err(final, ref(**batch).logits)
     out["param_err"] = max(
         _err(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True)
     )
@@ -198,30 +196,31 @@ def llama_batch(mesh_shape, *, mask: bool, seq: int):
     return batch
 
 
-def run_llama(mesh_shape, attn: str, mask: bool, use_cache: bool, seq: int = 8) -> dict:
-    ref = llama(attn, use_cache=use_cache)
-    out = train_side_by_side(
-        ref, LLAMA_PLAN, mesh_shape, llama_batch(mesh_shape, mask=mask, seq=seq)
-    )
+def run_llama(
+    mesh_shape, attn: str, mask: bool, use_cache: bool, seq: int = 8, dropout: float = 0.0
+) -> dict:
+    ref = llama(attn, use_cache=use_cache, dropout=dropout)
+    batch = llama_batch(mesh_shape, mask=mask, seq=seq)
+    out = train_side_by_side(ref, LLAMA_PLAN, mesh_shape, batch, reseed=dropout > 0)
     out.pop("model")
     return out
 
 
-def run_gpt2_tied(mesh_shape, attn: str = "sdpa") -> dict:
-    ref = gpt2(attn)
+def run_gpt2_tied(mesh_shape, attn: str = "sdpa", dropout: float = 0.0) -> dict:
+    ref = gpt2(attn, dropout=dropout)
     assert ref.lm_head.weight is ref.transformer.wte.weight
     batch = llama_batch(mesh_shape, mask=True, seq=8)
-    out = train_side_by_side(ref, GPT2_PLAN, mesh_shape, batch)
+    out = train_side_by_side(ref, GPT2_PLAN, mesh_shape, batch, reseed=dropout > 0)
     model = out.pop("model")
     out["tied"] = model.lm_head.weight is model.transformer.wte.weight
     out["num_params"] = len(list(model.parameters()))
     return out
 
 
-def run_bert(mesh_shape, attn: str = "sdpa") -> dict:
-    ref = bert(attn)
+def run_bert(mesh_shape, attn: str = "sdpa", dropout: float = 0.0) -> dict:
+    ref = bert(attn, dropout=dropout)
     batch = llama_batch(mesh_shape, mask=True, seq=8)
     batch["labels"] = torch.tensor([0, 2])
-    out = train_side_by_side(ref, BERT_PLAN, mesh_shape, batch)
+    out = train_side_by_side(ref, BERT_PLAN, mesh_shape, batch, reseed=dropout > 0)
     out.pop("model")
     return out

@@ -46,16 +46,26 @@ LLAMA_2D = {
 SEQ_2D = 32
 
 
+#: dropout in training mode (attention, residual, embedding dropout where the model has
+#: them): shardkit draws every mask as one device would, so values match exactly
+DROPOUT = 0.3
+
+
 def _one_d():
     out = {name: run_llama((2,), *args) for name, args in LLAMA_1D.items()}
     for attn in ("sdpa", "eager"):
         out[f"gpt2_{attn}"] = run_gpt2_tied((2,), attn)
         out[f"bert_{attn}"] = run_bert((2,), attn)
+        out[f"llama_{attn}_dropout"] = run_llama((2,), attn, True, True, dropout=DROPOUT)
+        out[f"gpt2_{attn}_dropout"] = run_gpt2_tied((2,), attn, dropout=DROPOUT)
+        out[f"bert_{attn}_dropout"] = run_bert((2,), attn, dropout=DROPOUT)
     return out
 
 
 def _two_d():
-    return {name: run_llama((2, 2), *args, seq=SEQ_2D) for name, args in LLAMA_2D.items()}
+    out = {name: run_llama((2, 2), *args, seq=SEQ_2D) for name, args in LLAMA_2D.items()}
+    out["sdpa_dropout"] = run_llama((2, 2), "sdpa", True, True, seq=SEQ_2D, dropout=DROPOUT)
+    return out
 
 
 def _agree(results):
@@ -150,3 +160,23 @@ def test_bert_tp_zero_fallbacks(one_d, attn):
         "backward": {"all_reduce:model": 2 * NUM_LAYERS},
         "step": {},
     }
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_dropout_training_zero_fallbacks_same_values(one_d, model, attn):
+    """Dropout > 0 in training mode: no fallback, the same collectives as without
+    dropout, and the same values as one process seeded alike (the same masks)."""
+    r = one_d[f"{model}_{attn}_dropout"]
+    same_without = {"llama": f"{attn}_mask_cache"}.get(model, f"{model}_{attn}")
+    plain = one_d[same_without]
+    _check_values(r)
+    assert r["fallbacks"] == {}
+    assert r["calls"] == plain["calls"]
+
+
+def test_dropout_training_2d(two_d):
+    r = two_d["sdpa_dropout"]
+    _check_values(r)
+    assert r["fallbacks"] == {}
+    assert r["calls"] == two_d["sdpa_mask_cache"]["calls"]

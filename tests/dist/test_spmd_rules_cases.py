@@ -100,6 +100,30 @@ CASES = {
         lambda x, t: F.cross_entropy(x, torch.where(t == 1, -100, t), reduction="none"),
     ),
     "dropout": ([((5, 7), (D, M))], lambda x: F.dropout(x, 0.4, training=True)),
+    # the fused dropout accelerators run (CPU's F.dropout decomposes instead)
+    "native_dropout": ([((5, 7), (D, M))], lambda x: torch.native_dropout(x, 0.4, True)[0]),
+    # index_put: the backward of indexing (repeated rows accumulate), and written directly
+    # (times a sharded w, so the gradient reaching index_put is sharded too)
+    "index_backward_repeats": (
+        [((6, 7), (D, M)), ((7,), (M,)), ((5,), (None,), "idx", 6)],
+        lambda x, w, i: x[torch.cat([i, i[:2]])] * w,
+    ),
+    "index_put_accumulate": (
+        [((6, 7), (D, M)), ((5, 7), (None, M)), ((5,), (None,), "idx", 6)],
+        lambda x, v, i: x.index_put((i,), v, accumulate=True),
+    ),
+    "index_put_pending_values": (
+        [((6, 4), (None, M)), ((4, 7), (M, D)), ((3,), (None,), "idx", 6)],
+        lambda a, b, i: torch.zeros(6, 7).index_put((i,), a[i] @ b, accumulate=True),
+    ),
+    "index_put_two_dims": (
+        [((4, 5, 3), (D, None, M)), ((2, 3), (None, M))],
+        lambda x, v: x.index_put((torch.tensor([0, 3]), torch.tensor([4, 1])), v),
+    ),
+    "index_put_inplace": (
+        [((6, 7), (D, M)), ((7,), (M,))],
+        lambda x, v: (x * 1).index_put_((torch.tensor([1, 4]),), v),
+    ),
     "cross_entropy_mean": (
         [((5, 7), (D, M)), ((5,), (D,), "idx", 7)],
         lambda x, t: F.cross_entropy(x, t),

@@ -1,4 +1,5 @@
-"""Rules for padding and advanced indexing: ``constant_pad_nd`` and ``index.Tensor``.
+"""Rules for padding and advanced indexing: ``constant_pad_nd``, ``index.Tensor`` and
+``index_put`` (the backward of indexing).
 
 Padding keeps every dim it does not pad sharded. Indexing with plain (replicated) index
 tensors keeps the indexed tensor's other dims sharded; a sharded indexed dim stays
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import Declined, register_rule
-from ._common import Placement, is_st, local_under, wrap
+from ._common import Placement, is_partial_leader, is_st, local_under, move_cost, wrap
 
 aten = torch.ops.aten
 
@@ -126,3 +127,108 @@ def _local_reads(st, expanded, j, start, d, trial_index_spec, p, out_shape) -> b
         if values.numel() and (int(values.min()) < lo or int(values.max()) >= hi):
             return False
     return True
+
+
+def _aligned_spec(shape, full_shape, spec) -> tuple:
+    """The spec a tensor of ``shape`` needs to broadcast onto ``full_shape`` laid out by
+    ``spec`` (broadcast dims replicated)."""
+    off = len(full_shape) - len(shape)
+    return tuple(
+        spec[i + off] if shape[i] == full_shape[i + off] else () for i in range(len(shape))
+    )
+
+
+@register_rule(
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._unsafe_index_put.default,
+    aten._index_put_impl_.default,
+)
+def _index_put(func, args, kwargs):
+    """``self[indices] = values`` (or ``+=`` with ``accumulate``), the backward of indexing.
+
+    The indexed dims of ``self`` are written whole on every rank (the index values may
+    point anywhere), so they are replicated; every other dim may stay sharded, taking
+    ``self``'s layout or ``values``' (whichever moves fewer bytes: the backward of
+    indexing writes a sharded gradient into fresh replicated zeros, and slicing the
+    zeros is free). Index tensors must be plain or replicated. With ``accumulate``, a
+    pending sum in ``values`` stays pending: ``self`` joins it on the leader only.
+    """
+    st, indices, values = args[0], list(args[1]), args[2]
+    rest = list(args[3:])
+    accumulate = bool(rest[0]) if rest else bool(kwargs.get("accumulate", False))
+    inplace = func in (aten.index_put_.default, aten._index_put_impl_.default)
+    if inplace and not is_st(st):
+        return Declined("writing sharded values into a plain tensor in place")
+    if any(is_st(t) and not t._placement.is_replicated() for t in indices if t is not None):
+        return Declined("sharded index tensors")
+    indices = [t._local_tensor if is_st(t) else t for t in indices]
+    layout = _index_layout(indices, st.ndim)
+    if layout is None:
+        return Declined("indexed dims that are not adjacent")
+    if any(t.dtype == torch.bool for t in indices if t is not None):
+        return Declined("boolean mask indices (data-dependent shape)")
+    start, count = layout
+    mesh = next(x for x in (st, values) if is_st(x))._placement.mesh
+    index_shape = tuple(torch.broadcast_shapes(*[t.shape for t in indices if t is not None]))
+    nb = len(index_shape)
+    shape = tuple(st.shape)
+    vfull = shape[:start] + index_shape + shape[start + count :]
+    indexed = range(start, start + count)
+
+    def from_values(vspec):
+        """The self spec that keeps ``values``' layout of the dims they share."""
+        full = ((),) * (len(vfull) - len(vspec)) + tuple(vspec)
+        vshape = (1,) * (len(vfull) - values.ndim) + tuple(values.shape)
+        out = []
+        for d in range(len(shape)):
+            if d in indexed:
+                out.append(())
+                continue
+            vd = d if d < start else d - count + nb
+            out.append(full[vd] if vshape[vd] == vfull[vd] else ())
+        return tuple(out)
+
+    candidates = []
+    if is_st(st):
+        candidates.append(
+            tuple(() if d in indexed else a for d, a in enumerate(st._placement.spec))
+        )
+    if is_st(values) and not inplace:
+        candidates.append(from_values(values._placement.spec))
+    candidates.append(((),) * len(shape))
+    vp = values._placement if is_st(values) else None
+    keep = ()
+    if (
+        accumulate
+        and not inplace
+        and vp is not None
+        and vp.partial
+        and all(op == "sum" for _, op in vp.partial)
+        and not (is_st(st) and st._placement.partial)
+    ):
+        keep = vp.partial
+    best = None
+    for spec in candidates:
+        if keep and any(a in axes for axes in spec for a, _ in keep):
+            continue
+        req_self = Placement(mesh, spec)
+        vspec = spec[:start] + ((),) * nb + spec[start + count :]
+        req_values = Placement(mesh, _aligned_spec(tuple(values.shape), vfull, vspec), keep)
+        cost = move_cost(st, req_self) + move_cost(values, req_values)
+        if best is None or cost < best[0]:
+            best = (cost, req_self, req_values)
+    _, req_self, req_values = best
+    local_values = local_under(values, req_values) if isinstance(values, torch.Tensor) else values
+    if inplace:
+        local_self = local_under(st, req_self)
+        if local_self is not st._local_tensor:
+            st._local_tensor = local_self
+        st._placement = req_self
+        func(st._local_tensor, indices, local_values, *rest, **kwargs)
+        return st
+    out = Placement(mesh, req_self.spec, keep)
+    local_self = local_under(st, req_self)
+    if keep and not is_partial_leader(out):
+        local_self = torch.zeros_like(local_self)  # self joins the pending sum once
+    return wrap(func(local_self, indices, local_values, *rest, **kwargs), out, shape)

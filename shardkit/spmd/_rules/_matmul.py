@@ -42,7 +42,29 @@ def _unique(options):
     return out
 
 
+#: plans by the operands' layouts, shapes and element sizes: a training step repeats the
+#: same few dozen products
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _layout_key(x):
+    if not isinstance(x, torch.Tensor):
+        return x if x is None or isinstance(x, (int, float)) else type(x)
+    return (x._placement if is_st(x) else None, tuple(x.shape), x.element_size())
+
+
 def _plan(a, b, batched: bool, mesh, out_shape, bias=None, elsize=4):
+    key = (_layout_key(a), _layout_key(b), _layout_key(bias), batched, mesh, elsize)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _choose(a, b, batched, mesh, out_shape, bias, elsize)
+    return plan
+
+
+def _choose(a, b, batched: bool, mesh, out_shape, bias=None, elsize=4):
     sa, pa = _spec_and_partial(a, a.ndim)
     sb, pb = _spec_and_partial(b, b.ndim)
     if batched:

@@ -356,3 +356,24 @@ def _item(func, args, kwargs):
 @register_rule(aten.lift_fresh.default)
 def _lift(func, args, kwargs):
     return args[0]
+
+
+@register_rule(aten.native_dropout.default)
+def _native_dropout(func, args, kwargs):
+    """Fused dropout (what ``F.dropout`` becomes on accelerators): run the op on a whole
+    tensor of ones, as one device would draw it from the same generator, and keep this
+    shard of its mask and scale. A pending sum stays pending (dropout is linear)."""
+    st, p = args[0], args[1]
+    train = args[2] if len(args) > 2 else kwargs.get("train")
+    placement = st._placement
+    if placement.partial and any(op != "sum" for _, op in placement.partial):
+        placement = placement.without_partial()
+    local = local_under(st, placement)
+    ones = torch.ones(st.shape, dtype=st.dtype, device=local.device)
+    scaled, mask = func(ones, p, train)
+    box = placement.box(st.shape).slices()
+    mask_placement = placement.without_partial()
+    return (
+        wrap(local * scaled[box], placement, st.shape),
+        wrap(mask[box].clone(), mask_placement, st.shape),
+    )

@@ -16,10 +16,10 @@ from itertools import combinations
 
 import torch
 
-from .._dispatch import Declined, register_rule
+from .._dispatch import FAST_HANDLERS, SLOW, Declined, _dispatch_rules, register_rule
 from ..layout import chunk_bounds, mesh_coords, shard_index
 from . import _fold
-from ._common import Placement, is_st, local_under, move_cost, norm_dim, wrap
+from ._common import Placement, ShardedTensor, is_st, local_under, move_cost, norm_dim, wrap
 
 aten = torch.ops.aten
 
@@ -374,3 +374,65 @@ def _gather_scatter(func, args, kwargs):
     local = func(local_under(st, req), args[1], *local_args, **kwargs)
     shape = others[0].shape if func is aten.gather.default else st.shape
     return wrap(local, req, shape)
+
+
+# -- memoized layouts: the same view of the same layout recurs every step -------------
+_MEMO: dict = {}
+_MAX_MEMO = 8192
+
+
+def _memo_put(key, value) -> None:
+    if len(_MEMO) >= _MAX_MEMO:
+        _MEMO.clear()
+    _MEMO[key] = value
+
+
+def _layout_only_fast(func, args, kwargs):
+    """``t``, ``transpose``, ``permute``, ``unsqueeze``, ``detach``, ``alias``: the op on the
+    local tensor with the same arguments, and an output layout that depends only on the
+    input's layout, shape and those arguments (memoized after the rule's first answer)."""
+    st = args[0]
+    if type(st) is not ShardedTensor or kwargs:
+        return SLOW
+    rest = tuple(tuple(a) if isinstance(a, list) else a for a in args[1:])
+    key = (func, st._placement, st.shape, rest)
+    hit = _MEMO.get(key)
+    if hit is not None:
+        return ShardedTensor(func(st._local_tensor, *args[1:]), hit[0], hit[1])
+    out = _dispatch_rules(func, args, kwargs)
+    if type(out) is ShardedTensor:
+        _memo_put(key, (out._placement, out.shape))
+    return out
+
+
+def _view_fast(func, args, kwargs):
+    """``view`` / ``_unsafe_view`` / ``reshape`` that keeps the input's layout: a local
+    reshape to this rank's box (memoized per layout, shape and size)."""
+    st = args[0]
+    if type(st) is not ShardedTensor or kwargs:
+        return SLOW
+    key = (func, st._placement, st.shape, tuple(args[1]))
+    hit = _MEMO.get(key)
+    if hit is None:
+        p = st._placement
+        out_shape = _infer_shape(args[1], st.numel())
+        req_spec, out_spec = view_plan(tuple(st.shape), p.spec, out_shape, p.mesh.mesh_shape)
+        if req_spec != p.spec:
+            return SLOW  # communicates or folds: the rule decides
+        out = Placement(p.mesh, out_spec, p.partial)
+        hit = (out, torch.Size(out_shape), out.box(out_shape).sizes)
+        _memo_put(key, hit)
+    return ShardedTensor(st._local_tensor.reshape(hit[2]), hit[0], hit[1])
+
+
+for _op in (
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.unsqueeze.default,
+    aten.detach.default,
+    aten.alias.default,
+):
+    FAST_HANDLERS[_op] = _layout_only_fast
+for _op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+    FAST_HANDLERS[_op] = _view_fast
