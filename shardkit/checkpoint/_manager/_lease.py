@@ -21,10 +21,12 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 
+from ... import runtime
 from .._core._errors import CheckpointError
 
 __all__ = ["LEASE_FILE", "Lease", "LeaseHeldError", "LeaseLostError"]
@@ -231,6 +233,7 @@ class Lease:
             target=self._beat, name="shardkit-lease-heartbeat", daemon=True
         )
         self._thread.start()
+        _beating.add(self)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -248,3 +251,15 @@ class Lease:
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+# a manager the user never closes still has its heartbeat at exit: stop it before
+# shardkit's teardown (which requires that no shardkit thread outlives it); the lease
+# itself is kept and simply expires, as after a crash
+_beating: weakref.WeakSet[Lease] = weakref.WeakSet()
+
+
+@runtime.at_teardown
+def _stop_heartbeats() -> None:
+    for lease in list(_beating):
+        lease.stop_heartbeat()
