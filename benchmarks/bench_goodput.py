@@ -11,7 +11,8 @@ width ``--d-model``, Adam) for ``--steps`` timed steps, checkpointing every k st
 - ``manager``: the same with ``CheckpointManager.save_async``.
 
 Figures per (wrapper, method, k): overhead = time with checkpoints / time without - 1
-(against the same framework's ``none`` run), blocking per save (time in the save call
+(against the same framework's ``none`` run), seconds lost per save (time with checkpoints
+minus time without, over the number of saves), blocking per save (time in the save call
 plus, for shardkit, optimizer steps waiting for staging; for torch, the recipe's wait for
 the previous save), peak RSS (VmHWM, reset per run) and bytes written per save. Every
 run waits for its last save, inside the timed span. One JSON line on rank 0.
@@ -164,6 +165,7 @@ class _Saver:
             steps = self.mgr.all_steps()
             if steps:
                 self.bytes.append(_dir_bytes(f"{self.root}/mgr") / len(steps))
+            self.mgr.close()  # before its directory is removed: stops the lease heartbeat
         else:
             self._retire()
 
@@ -239,6 +241,7 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     for wrapper in args.wrappers:
         for rep in range(args.repeats):  # repeats interleave, so all see the same load
             over: dict[str, float] = {}
+            lost: dict[str, float] = {}
             for framework, methods in fws[:: 1 if rep % 2 == 0 else -1]:
                 none = _run(framework, wrapper, "none", 0, args, base, ckpt_group)
                 runs.setdefault(f"{wrapper}/{framework}/none", []).append(none)
@@ -247,6 +250,9 @@ def _rank(rank: int, world: int, port: int, args) -> None:
                         root = f"{base}/{wrapper}-{method}-{k}"
                         r = _run(framework, wrapper, method, k, args, root, ckpt_group)
                         r["overhead"] = over[f"{method}/{k}"] = r["total_s"] / none["total_s"] - 1
+                        r["lost_s_per_save"] = lost[f"{method}/{k}"] = (
+                            r["total_s"] - none["total_s"]
+                        ) / max(1, r["saves"])
                         runs.setdefault(f"{wrapper}/{method}/k={k}", []).append(r)
                         dist.barrier()
                         if rank == 0:
@@ -256,6 +262,11 @@ def _rank(rank: int, world: int, port: int, args) -> None:
                 if sk is not None:
                     ratio = sk / t if t > 0 else None
                     ratios.setdefault(f"{wrapper}/overhead_ratio/k={k}", []).append(ratio)
+                    # seconds lost per save, shardkit / torch: not skewed by the two
+                    # frameworks' different step times, as the relative overheads are
+                    t, sk = lost[f"torch/{k}"], lost[f"shardkit/{k}"]
+                    ratio = sk / t if t > 0 else None
+                    ratios.setdefault(f"{wrapper}/lost_per_save_ratio/k={k}", []).append(ratio)
     results: dict = {}
     for key, rs in runs.items():  # medians over the repeats, and the overheads' spread
         results[key] = {n: statistics.median(r[n] for r in rs) for n in rs[0]}
@@ -265,7 +276,7 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     for key, vals in ratios.items():
         ok = [v for v in vals if v is not None]
         results[key] = statistics.median(ok) if ok else None
-        results[key.replace("overhead_ratio", "overhead_ratio_samples")] = vals
+        results[key.replace("_ratio/", "_ratio_samples/")] = vals
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)
         params = sum(p.numel() for p in Net(args.vocab, args.d_model, args.layers).parameters())
