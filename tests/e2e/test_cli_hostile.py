@@ -6,6 +6,7 @@ checkpoint, 4 internal error. Commands run in-process through ``main(argv)``.
 """
 
 import io
+import json
 import os
 import pickle
 import signal
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import shardkit.checkpoint as dcp
+from shardkit.checkpoint._core._validate import seal_metadata
 from shardkit.cli import main
 
 
@@ -73,6 +75,22 @@ def test_convert_reports_the_checksum_error_and_leaves_no_output(tmp_path):
     line = _error_line(shardkit("ckpt", "convert", tmp_path / "c", out, code=3))
     assert "checksum mismatch" in line and "'w'" in line and "incomplete" not in line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("out_name", ["big.pt", "big.safetensors"])
+def test_convert_never_writes_more_than_it_read(tmp_path, out_name):
+    """A resealed 1 KB metadata edit declares 2 GB for 'w' with its 128 bytes of chunks:
+    convert refuses it before writing (it used to write a 2 GB file and exit 0)."""
+    _save(tmp_path / "c")
+    meta = tmp_path / "c" / "metadata.json"
+    doc = json.loads(meta.read_bytes())
+    doc.pop("metadata_xxh3_64")
+    doc["tensors"]["w"]["shape"] = [4, 125_000_000]  # float32: 2 GB; the chunk stays 4 x 8
+    meta.write_bytes(seal_metadata(json.dumps(doc).encode()))
+    out = tmp_path / out_name
+    line = _error_line(shardkit("ckpt", "convert", tmp_path / "c", out, code=3))
+    assert "key 'w'" in line and "cover 32 of its 500000000 elements" in line, line
+    assert not out.exists() and not list(tmp_path.glob(f"{out_name}*"))
 
 
 def test_verify_and_inspect_flag_a_truncated_committed_checkpoint(tmp_path):
