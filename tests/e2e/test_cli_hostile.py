@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from metadata_edit import reseal_metadata
 
 import shardkit.checkpoint as dcp
-from shardkit.checkpoint._core._validate import seal_metadata
 from shardkit.cli import main
 
 
@@ -84,9 +84,8 @@ def test_convert_never_writes_more_than_it_read(tmp_path, out_name):
     _save(tmp_path / "c")
     meta = tmp_path / "c" / "metadata.json"
     doc = json.loads(meta.read_bytes())
-    doc.pop("metadata_xxh3_64")
     doc["tensors"]["w"]["shape"] = [4, 125_000_000]  # float32: 2 GB; the chunk stays 4 x 8
-    meta.write_bytes(seal_metadata(json.dumps(doc).encode()))
+    reseal_metadata(tmp_path / "c", doc)
     out = tmp_path / out_name
     line = _error_line(shardkit("ckpt", "convert", tmp_path / "c", out, code=3))
     assert "key 'w'" in line and "cover 32 of its 500000000 elements" in line, line

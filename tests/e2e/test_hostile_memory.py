@@ -11,9 +11,9 @@ import sys
 import textwrap
 
 import torch
+from metadata_edit import reseal_metadata
 
 import shardkit.checkpoint as dcp
-from shardkit.checkpoint._core._validate import seal_metadata
 
 _SCRIPT = textwrap.dedent(
     """
@@ -75,11 +75,10 @@ def test_a_200_mb_metadata_file_is_refused_in_bounded_memory(tmp_path):
 
 def test_a_huge_shape_is_refused_in_bounded_memory(tmp_path):
     doc = _save(tmp_path)
-    doc.pop("metadata_xxh3_64")
     t = doc["tensors"]["b"]
     t["shape"], t["chunks"][0]["sizes"] = [10**12], [10**12]
     t["chunks"][0]["nbytes"] = 4 * 10**12
-    (tmp_path / "metadata.json").write_bytes(seal_metadata(json.dumps(doc).encode()))
+    reseal_metadata(tmp_path, doc)
     out = _run(tmp_path, "load", "convert", "cli")
     assert out.count("refused:") == 2 and out.count("key 'b'") == 3
     assert "exit 3" in out

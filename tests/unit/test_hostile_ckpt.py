@@ -13,9 +13,10 @@ import signal
 import pytest
 import torch
 from column_planner import ColumnPlanner
+from metadata_edit import reseal_metadata
 
 import shardkit.checkpoint as dcp
-from shardkit.checkpoint._core._validate import MAX_NESTING, seal_metadata
+from shardkit.checkpoint._core._validate import MAX_NESTING
 
 
 @pytest.fixture(autouse=True)
@@ -44,13 +45,6 @@ def _saved(path):
     return json.loads((path / "metadata.json").read_bytes())
 
 
-def _edit(path, doc):
-    doc = dict(doc)
-    doc.pop("metadata_xxh3_64", None)
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    (path / "metadata.json").write_bytes(seal_metadata(body))
-
-
 def _load_fails(path, *fragments):
     with pytest.raises(dcp.CorruptCheckpointError) as err:
         dcp.load(_target(), checkpoint_id=path)
@@ -66,7 +60,7 @@ def test_file_names_must_be_plain_names_in_the_directory(tmp_path, name):
     old = doc["tensors"]["w"]["chunks"][0]["file"]
     doc["tensors"]["w"]["chunks"][0]["file"] = name
     doc["files"][name] = doc["files"].pop(old)
-    _edit(tmp_path, doc)
+    reseal_metadata(tmp_path, doc)
     msg = _load_fails(tmp_path, "not a plain file name")
     assert repr(name)[:20] in msg
     with pytest.raises(dcp.CorruptCheckpointError):
@@ -120,17 +114,17 @@ def test_chunks_must_tile_their_tensor(tmp_path):
     base = json.loads(json.dumps(doc))
 
     doc["tensors"]["w"]["chunks"] = chunks[:1]  # a missing chunk
-    _edit(tmp_path, doc)
+    reseal_metadata(tmp_path, doc)
     _load_fails(tmp_path, "'w'", "cover 24 of its 48 elements")
 
     doc = json.loads(json.dumps(base))
     doc["tensors"]["w"]["chunks"][1] = dict(doc["tensors"]["w"]["chunks"][0])  # duplicated
-    _edit(tmp_path, doc)
+    reseal_metadata(tmp_path, doc)
     _load_fails(tmp_path, "'w'", "overlap")
 
     doc = json.loads(json.dumps(base))
     doc["tensors"]["w"]["chunks"][1]["offsets"] = [0, 5]  # sticks out of the 8 columns
-    _edit(tmp_path, doc)
+    reseal_metadata(tmp_path, doc)
     _load_fails(tmp_path, "'w'", "outside the tensor's shape")
 
 
@@ -191,14 +185,14 @@ def test_header_length_is_bounded_when_reading_any_safetensors_file(tmp_path):
 def test_bad_chunk_fields_name_the_key(tmp_path, field, value, fragment):
     doc = _saved(tmp_path)
     doc["tensors"]["b"]["chunks"][0][field] = value
-    _edit(tmp_path, doc)
+    reseal_metadata(tmp_path, doc)
     _load_fails(tmp_path, "key 'b'", fragment)
 
 
 def test_negative_box_offsets_name_the_key(tmp_path):
     doc = _saved(tmp_path)
     doc["tensors"]["b"]["chunks"][0]["offsets"] = [-1]
-    _edit(tmp_path, doc)
+    reseal_metadata(tmp_path, doc)
     _load_fails(tmp_path, "key 'b'", ">= 0")
 
 
@@ -211,7 +205,7 @@ def test_a_huge_shape_is_refused_before_any_allocation(tmp_path):
     t["shape"] = [10**12]
     t["chunks"][0]["sizes"] = [10**12]
     t["chunks"][0]["nbytes"] = 8 * 10**12
-    _edit(tmp_path / "c", doc)
+    reseal_metadata(tmp_path / "c", doc)
     with pytest.raises(dcp.CorruptCheckpointError, match="key 'b'.*run past the end"):
         fu.to_safetensors(tmp_path / "c", tmp_path / "out.safetensors", progress=False)
     assert not (tmp_path / "out.safetensors").exists()
@@ -223,7 +217,7 @@ def test_deep_nesting_is_a_clear_error_not_a_recursion_traceback(tmp_path):
     for _ in range(MAX_NESTING + 5):
         deep = [deep]
     doc["values"]["n"] = deep
-    _edit(tmp_path, doc)
+    reseal_metadata(tmp_path, doc)
     _load_fails(tmp_path, f"nested deeper than {MAX_NESTING}")
     raw = b'{"a":' * 100_000 + b"1" + b"}" * 100_000  # deeper than the JSON parser goes
     (tmp_path / "metadata.json").write_bytes(raw)

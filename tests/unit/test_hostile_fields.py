@@ -7,9 +7,9 @@ import json
 
 import torch
 from column_planner import ColumnPlanner
+from metadata_edit import reseal_metadata
 
 import shardkit.checkpoint as dcp
-from shardkit.checkpoint._core._validate import seal_metadata
 
 _HOSTILE = [-1, 0, 10**12, 2**64, "x", None, [], {}, 1.5, True, [-1], "../x"]
 
@@ -38,7 +38,7 @@ def test_every_field_with_hostile_values_raises_a_clear_error_or_loads_exactly(t
             for k in path[:-1]:
                 node = node[k]
             node[path[-1]] = value
-            (tmp_path / "metadata.json").write_bytes(seal_metadata(json.dumps(doc).encode()))
+            reseal_metadata(tmp_path, doc)
             out = {"w": torch.zeros(6, 8), "h": torch.zeros(4, 4)}
             try:
                 dcp.load(out, checkpoint_id=tmp_path)

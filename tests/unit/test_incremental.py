@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from metadata_edit import reseal_metadata
 
 from shardkit.checkpoint import (
     CheckpointManager,
@@ -17,7 +18,6 @@ from shardkit.checkpoint import (
     read_metadata,
     save,
 )
-from shardkit.checkpoint._core._validate import seal_metadata
 from shardkit.checkpoint.format_utils import materialize
 
 FROZEN = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
@@ -126,9 +126,7 @@ def _incremental_copy(tmp_path) -> tuple[dict, str]:
 
 
 def _write(doc: dict, path: str) -> None:
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    with open(path, "wb") as f:
-        f.write(seal_metadata(body))
+    reseal_metadata(os.path.dirname(path), doc)
 
 
 @pytest.mark.parametrize(
