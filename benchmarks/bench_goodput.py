@@ -257,16 +257,14 @@ def _rank(rank: int, world: int, port: int, args) -> None:
                         dist.barrier()
                         if rank == 0:
                             shutil.rmtree(root, ignore_errors=True)
-            for k in args.ks:  # the headline ratio: shardkit's overhead / torch's
-                t, sk = over[f"torch/{k}"], over.get(f"shardkit/{k}")
-                if sk is not None:
-                    ratio = sk / t if t > 0 else None
-                    ratios.setdefault(f"{wrapper}/overhead_ratio/k={k}", []).append(ratio)
-                    # seconds lost per save, shardkit / torch: not skewed by the two
-                    # frameworks' different step times, as the relative overheads are
-                    t, sk = lost[f"torch/{k}"], lost[f"shardkit/{k}"]
-                    ratio = sk / t if t > 0 else None
-                    ratios.setdefault(f"{wrapper}/lost_per_save_ratio/k={k}", []).append(ratio)
+            # the headline ratio: shardkit's overhead / torch's; and seconds lost per save,
+            # which the two frameworks' different step times do not skew
+            for name, table in (("overhead_ratio", over), ("lost_per_save_ratio", lost)):
+                for k in args.ks:
+                    t, sk = table[f"torch/{k}"], table.get(f"shardkit/{k}")
+                    if sk is not None:
+                        ratio = sk / t if t > 0 else None
+                        ratios.setdefault(f"{wrapper}/{name}/k={k}", []).append(ratio)
     results: dict = {}
     for key, rs in runs.items():  # medians over the repeats, and the overheads' spread
         results[key] = {n: statistics.median(r[n] for r in rs) for n in rs[0]}
