@@ -15,6 +15,7 @@ from test_spmd_rules_cases import (
     run_local_comm,
     run_mlp_comm,
     run_optimizers,
+    run_pending_sum_pointwise,
     run_reduce_scatter,
 )
 
@@ -35,6 +36,7 @@ def _four_rank_checks():
         run_reduce_scatter(),
         run_local_comm(),
         again,
+        run_pending_sum_pointwise(),
     )
 
 
@@ -74,7 +76,7 @@ def test_op_matrix_single_process(one_rank):
 def test_memoized_second_pass_matches_first(four_ranks):
     """Views, transposes and products repeat every training step and are then served
     from memoized layouts and plans: the second pass gives exactly the first's results."""
-    assert four_ranks[-1] == four_ranks[0]
+    assert four_ranks[8] == four_ranks[0]
 
 
 def test_no_fallback_in_matrix(four_ranks):
@@ -115,6 +117,14 @@ def test_pending_sum_resolves_by_reduce_scatter_when_sharded(four_ranks):
     assert err_scatter < 1e-5 and err_reduce < 1e-5
     assert scatter_calls == {("reduce_scatter", ("data",)): 1}
     assert reduce_calls == {("all_reduce", ("data",)): 1}
+
+
+def test_replicated_with_pending_sum_in_and_out_of_place(four_ranks):
+    """``r.add_(P)`` once kept the sum pending and left the non-leader ranks' ``r``
+    unchanged (values off by ``r`` times the group size less one)."""
+    errors = four_ranks[9]
+    assert len(errors) == 9, errors
+    assert all(err < 1e-5 for err in errors.values()), errors
 
 
 def test_attention_padding_kv_cache_rules_stay_local(four_ranks):

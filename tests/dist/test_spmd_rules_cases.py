@@ -428,6 +428,37 @@ def run_reduce_scatter(mesh_shape=(2, 2)):
     )
 
 
+
+def run_pending_sum_pointwise(mesh_shape=(2, 2)):
+    """A replicated tensor combined with a sum pending over 'data', out of place and in
+    place: values against torch, and a view of the in-place target reads the same."""
+    import shardkit.spmd as xs
+
+    mesh = _mesh(mesh_shape)
+    gen = torch.Generator().manual_seed(8)
+    x, r = torch.randn(4, 6, 3, generator=gen), torch.randn(6, 3, generator=gen)
+    sx = xs.mark_sharding(x, mesh, (D, None, None))
+    errors = {}
+    for name, fn in {
+        "r + P": lambda a, p: a + p,
+        "P + r": lambda a, p: p + a,
+        "r - P": lambda a, p: a - p,
+        "r.add_(P)": lambda a, p: a.add_(p),
+        "r.sub_(P)": lambda a, p: a.sub_(p),
+        "r.add_(P, alpha=2)": lambda a, p: a.add_(p, alpha=2),
+    }.items():
+        pending = sx.sum(0)  # a sum pending over 'data'
+        assert pending._placement.partial, "the case needs a pending sum"
+        sr = xs.mark_sharding(r.clone(), mesh, (None, None))
+        view = sr.view(18)
+        got = fn(sr, pending)
+        want = fn(r.clone(), x.sum(0))
+        errors[name] = _err(got.full_tensor(), want)
+        if "_" in name:
+            errors[name + " (view)"] = _err(view.full_tensor(), want.reshape(18))
+    return errors
+
+
 #: cases whose rules must not communicate at all, forward and backward
 LOCAL_CASES = (
     "matmul_4d_heads",

@@ -100,6 +100,11 @@ def _plan(func, sts, out_spec, first, tensors=()) -> tuple[tuple, bool]:
         return (), False
     holders = [st for st in sts if st._placement.partial]
     if base in _ADD:
+        if is_inplace(func) and not first._placement.partial:
+            # ``r.add_(P)``: keeping the sum pending would zero ``r``'s own storage on
+            # all ranks but the leader, and any view of ``r`` would silently read that
+            # zero; resolving ``P`` keeps ``r`` what it claims to be
+            return (), False
         return partial, True
     if base in _MUL and len(holders) == 1 and (base == "mul" or holders[0] is first):
         if _scales_only(holders[0], tensors):
@@ -163,6 +168,12 @@ def _plan_key(func, tensors, first):
     return (func, tuple(parts))
 
 
+def _zeros_like(value: torch.Tensor) -> torch.Tensor:
+    """A read-only zero of ``value``'s shape and dtype: one element broadcast, so a
+    non-leader's share of a replicated term costs no allocation (the op reads it once)."""
+    return value.new_zeros(()).expand(value.shape)
+
+
 def pointwise_rule(func, args, kwargs):
     if "out" in kwargs:
         return Declined("an out= argument")
@@ -197,11 +208,11 @@ def pointwise_rule(func, args, kwargs):
         if is_st(x):
             value = local_under(x, req_of[id(x)])
             if zero_others and not x._placement.partial:
-                value = torch.zeros_like(value)
+                value = _zeros_like(value)
         elif isinstance(x, torch.Tensor):
             value = local_under(x, Placement(mesh, _aligned(x.shape, out_shape, spec)))
             if zero_others:
-                value = torch.zeros_like(value)
+                value = _zeros_like(value)
         elif (
             zero_others
             and index < num_positional
