@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -256,8 +257,44 @@ def _llama_worker(rank, world, cfg, only):
     steps = {name: make(copy.deepcopy(base), batch, world) for name, make in makers.items()}
     losses, comm = _warm_up_and_count(steps, 1)
     times, cpu = time_abba(steps, cfg["repeats"], cfg["inner"], dist.barrier)
+    faults = {name: _minor_faults_per_step(step, cfg["inner"]) for name, step in steps.items()}
     dist.destroy_process_group()
-    return {"losses": losses, "comm": comm, "times": times, "cpu": cpu} if rank == 0 else None
+    if rank != 0:
+        return None
+    return {"losses": losses, "comm": comm, "times": times, "cpu": cpu, "faults": faults}
+
+
+def _minor_faults_per_step(step, num_steps: int) -> float:
+    """Fresh pages this rank touched per step (the heap regrown after glibc trimmed it)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(num_steps):
+        step()
+    return round((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / num_steps)
+
+
+#: glibc settings that stop the heap from being trimmed and regrown every step (the
+#: ranks read them at start-up): with them neither side faults in fresh pages each step,
+#: which separates the SPMD layers' own cost from the allocator's
+STEADY_HEAP_ENV = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 26)}
+
+
+def run_llama_steady_heap(world: int, cfg: dict) -> dict:
+    """The timing half of :func:`run_llama`, with :data:`STEADY_HEAP_ENV` in the ranks."""
+    saved = {k: os.environ.get(k) for k in STEADY_HEAP_ENV}
+    os.environ.update(STEADY_HEAP_ENV)
+    try:
+        result = spawn_ranks(_llama_worker, world, cfg, None, results=1)[0]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    row = _row(world, result)
+    keys = ("shardkit_step_ms", "dtensor_step_ms", "step_time_ratio", "cpu_time_ratio")
+    return {k: row[k] for k in keys} | {"minor_faults_per_step": result["faults"]}
 
 
 def run_llama(world: int, cfg: dict) -> dict:
@@ -267,6 +304,7 @@ def run_llama(world: int, cfg: dict) -> dict:
         for name in ("shardkit", "dtensor")
     }
     return _row(world, result) | {
+        "minor_faults_per_step": result["faults"],
         "shardkit_fallbacks": result["comm"]["fallbacks"],
         "shardkit_peak_rss_mb": round(rss["shardkit"], 1),
         "dtensor_peak_rss_mb": round(rss["dtensor"], 1),
@@ -340,11 +378,15 @@ def main(argv=None) -> None:
         llama_cfg = {"vocab": 2048, "hidden": 512, "intermediate": 1376, "layers": 4}
         llama_cfg.update(heads=8, kv_heads=4, seq=256, batch=4, repeats=8, inner=3)
     llama_row = run_llama(2, llama_cfg)
+    llama_row["steady_heap"] = run_llama_steady_heap(2, llama_cfg)
     print(
         f"Llama, 2 ranks: shardkit {llama_row['shardkit_step_ms']} ms vs DTensor "
         f"{llama_row['dtensor_step_ms']} ms (x{llama_row['step_time_ratio']}), bytes "
         f"{llama_row['shardkit_bytes']} vs {llama_row['dtensor_bytes']}, peak RSS "
-        f"{llama_row['shardkit_peak_rss_mb']} vs {llama_row['dtensor_peak_rss_mb']} MB",
+        f"{llama_row['shardkit_peak_rss_mb']} vs {llama_row['dtensor_peak_rss_mb']} MB; "
+        f"minor faults per step {llama_row['minor_faults_per_step']}; with a steady heap "
+        f"({' '.join(f'{k}={v}' for k, v in STEADY_HEAP_ENV.items())}): "
+        f"x{llama_row['steady_heap']['step_time_ratio']}",
         file=sys.stderr,
     )
     rows = [run(world, cfg) for world in (2, 4)]

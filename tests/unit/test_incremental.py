@@ -74,16 +74,28 @@ def test_unchanged_chunks_are_referenced_not_rewritten(tmp_path):
     assert _same(got, _state(3))
 
 
-def test_changed_bytes_under_a_matching_hash_are_rewritten(tmp_path):
-    """The dedup decision compares bytes, not only the XXH3-64 checksums: a base file whose
-    bytes differ from what its checksums say (as after a collision) is not referenced."""
+@pytest.mark.parametrize("windows", ["default", "small"])
+@pytest.mark.parametrize("position", [100, 100_000, FROZEN.nbytes - 1])
+def test_changed_bytes_under_a_matching_hash_are_rewritten(
+    tmp_path, monkeypatch, position, windows
+):
+    """The dedup decision compares bytes, never the XXH3-64 checksums alone: a base file whose
+    bytes differ from what its checksums say (as after a collision) is not referenced,
+    whether the difference lies in the small first window compared or further on (with
+    small windows: in the middle or the last of many)."""
+    if windows == "small":
+        from shardkit.checkpoint._core import _incremental
+
+        monkeypatch.setattr(_incremental, "_FIRST_WINDOW", 4096)
+        monkeypatch.setattr(_incremental, "_COMPARE_BYTES", 16384)
     save(_state(1), checkpoint_id=tmp_path / "a")
     base = read_metadata(tmp_path / "a")
     chunk = base.tensors["base.w"].chunks[0]
+    assert chunk.nbytes == FROZEN.nbytes
     with open(tmp_path / "a" / chunk.file, "r+b") as f:  # checksums in metadata unchanged
-        f.seek(chunk.offset + 100)
+        f.seek(chunk.offset + position)
         byte = f.read(1)
-        f.seek(chunk.offset + 100)
+        f.seek(chunk.offset + position)
         f.write(bytes([byte[0] ^ 0xFF]))
     md = save(_state(2), checkpoint_id=tmp_path / "b", incremental_base=tmp_path / "a")
     assert md.tensors["base.w"].chunks[0].file in md.files

@@ -1,34 +1,40 @@
 """Incremental saves: reuse the chunks of a base checkpoint whose bytes did not change.
 
 A chunk to write whose key, dtype and box equal a chunk of the base checkpoint is a
-candidate. Its bytes are hashed with the base chunk's block size and compared with the
-base's XXH3-64 block checksums (a cheap filter: a changed chunk almost always differs in
-its first block). When every block matches, the bytes are then **compared** with the base
-file's bytes: XXH3 (64 or 128 bit) is not collision resistant against an adversary, and a
-wrong dedup decision would silently restore other values, so the decision never rests on a
-hash alone. The comparison reads the base bytes (usually from the page cache, right after
-the previous save wrote them); it also means a base file damaged on disk is rewritten
-rather than referenced. The new metadata then references the base's file by name, in the
-base's directory (or, when the base itself referenced it, in the directory that holds it).
+candidate. Its bytes are then **compared** with the base file's bytes, never judged by a
+hash: XXH3 (64 or 128 bit) is not collision resistant against an adversary, and a wrong
+dedup decision would silently restore other values. Equal bytes have the base's block
+checksums, so the candidate is not hashed at all. A changed chunk almost always differs
+in its first bytes, so a small first window ends the comparison early. The base bytes are
+read in bounded windows (usually from the page cache, where the previous save left them).
+A base file damaged on disk is rewritten rather than referenced. The new metadata then
+references the base's file by name, in the base's directory (or, when the base itself
+referenced it, in the directory that holds it).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import xxhash
 
 from ._errors import CheckpointError
-from ._format import LINKED_VERSION, METADATA_FILE, LinkMeta, Metadata, row_bytes
+from ._format import LINKED_VERSION, METADATA_FILE, LinkMeta, Metadata
 from ._planner import WriteItem
 from ._storage import FileSystemReader, StorageWriter
 
 __all__ = ["Base", "open_base", "reuse_chunks"]
 
+#: bytes compared per window; the first window is small, so a changed chunk costs little
 _COMPARE_BYTES = 8 << 20
+_FIRST_WINDOW = 64 << 10
+#: threads comparing candidates at once (reads and comparisons release the GIL)
+_MAX_COMPARE_THREADS = 4
 
 
 class Base:
@@ -43,23 +49,40 @@ class Base:
             for c in t.chunks
         }
         self._fds: dict[str, int] = {}
-        self.scratch = torch.empty(_COMPARE_BYTES, dtype=torch.uint8)
+        self._lock = threading.Lock()
+        self._local = threading.local()  # one scratch buffer per comparing thread
 
-    def read(self, name: str, offset: int, out: torch.Tensor) -> None:
-        """Fill ``out`` with base file bytes (local files: one descriptor per file, no
-        symlink, regular file only; other stores: a byte-range read)."""
-        view = memoryview(out.numpy())
+    def _fd(self, name: str) -> int:
+        with self._lock:
+            if name not in self._fds:
+                self._fds[name] = self.reader.open_local(name)
+            return self._fds[name]
+
+    def _scratch(self) -> torch.Tensor:
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = torch.empty(_COMPARE_BYTES, dtype=torch.uint8)
+        return scratch
+
+    def equal(self, name: str, offset: int, mine: torch.Tensor) -> bool:
+        """Whether base file ``name`` holds exactly ``mine`` (uint8) at ``offset``, read
+        into scratch (local files: one descriptor per file, no symlink, regular file
+        only; other stores: a byte-range read). A read-only shared map of the window
+        compared without the copy measured 2.5x slower here: mapping and unmapping the
+        page-cache pages costs more than copying them."""
+        piece = self._scratch()[: mine.numel()]
+        view = memoryview(piece.numpy())
         if not self.reader.local:
             self.reader.read_into(name, offset, view)
-            return
-        if name not in self._fds:
-            self._fds[name] = self.reader.open_local(name)
+            return _equal_bytes(piece, mine)
+        fd = self._fd(name)
         done = 0
         while done < len(view):
-            n = os.preadv(self._fds[name], [view[done:]], offset + done)
+            n = os.preadv(fd, [view[done:]], offset + done)
             if n == 0:
-                raise EOFError(f"{name}: ends at byte {offset + done}")
+                return False  # the file ends inside the window: not the same bytes
             done += n
+        return _equal_bytes(piece, mine)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -117,19 +140,16 @@ def _link_of(base: Base, name: str) -> LinkMeta:
     )
 
 
-def _same_bytes(base: Base, chunk, view: memoryview, block: int) -> bool:
-    for i, start in enumerate(range(0, len(view), block)):
-        if xxhash.xxh3_64_hexdigest(view[start : start + block]) != chunk.checksums[i]:
-            return False
+def _same_bytes(base: Base, chunk, view: memoryview) -> bool:
     if not len(view):
         return True
     mine = torch.frombuffer(view, dtype=torch.uint8)
-    for start in range(0, len(view), _COMPARE_BYTES):
-        n = min(_COMPARE_BYTES, len(view) - start)
-        piece = base.scratch[:n]
-        base.read(chunk.file, chunk.offset + start, piece)
-        if not _equal_bytes(piece, mine[start : start + n]):
+    start, size = 0, _FIRST_WINDOW
+    while start < len(view):
+        n = min(size, len(view) - start)
+        if not base.equal(chunk.file, chunk.offset + start, mine[start : start + n]):
             return False
+        start, size = start + n, _COMPARE_BYTES
     return True
 
 
@@ -144,6 +164,26 @@ def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _compare_all(base: Base, candidates: list, view_of: Callable) -> dict:
+    """``{id(item): base chunk}`` for the candidates whose bytes equal the base's; local
+    files are compared on up to ``_MAX_COMPARE_THREADS`` threads, each with its own
+    scratch buffer."""
+
+    def check(pair):
+        item, chunk = pair
+        return _same_bytes(base, chunk, view_of(item))
+
+    workers = min(_MAX_COMPARE_THREADS, os.cpu_count() or 1, len(candidates))
+    if not base.reader.local:
+        workers = 1  # byte-range reads from other stores: one at a time, as before
+    if workers <= 1:
+        results = [check(pair) for pair in candidates]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="shardkit-dedup") as pool:
+            results = list(pool.map(check, candidates))
+    return {id(item): chunk for (item, chunk), ok in zip(candidates, results) if ok}
+
+
 def reuse_chunks(
     base: Base, items: list[WriteItem], data: Callable[[WriteItem], torch.Tensor], bytes_view
 ) -> tuple[list[WriteItem], list[dict], dict[str, dict]]:
@@ -153,16 +193,16 @@ def reuse_chunks(
     a written chunk, pointing into the base's files; ``linked`` maps those files to their
     link records (JSON).
     """
-    to_write, records, linked = [], [], {}
+    candidates = []
     for item in items:
         found = base.chunks.get((item.key, item.box.offsets, item.box.sizes))
-        if found is None or found[0] != item.dtype or found[1].nbytes != item.nbytes:
-            to_write.append(item)
-            continue
-        chunk = found[1]
-        view = bytes_view(data(item))
-        block = max(1, chunk.block_rows * row_bytes(item.box.sizes, item.dtype.itemsize))
-        if not _same_bytes(base, chunk, view, block):
+        if found is not None and found[0] == item.dtype and found[1].nbytes == item.nbytes:
+            candidates.append((item, found[1]))
+    same = _compare_all(base, candidates, lambda item: bytes_view(data(item)))
+    to_write, records, linked = [], [], {}
+    for item in items:
+        chunk = same.get(id(item))
+        if chunk is None:
             to_write.append(item)
             continue
         link = _link_of(base, chunk.file)
