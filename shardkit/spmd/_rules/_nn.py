@@ -368,6 +368,54 @@ def _attention(func, args, kwargs):
     if dropout_p:
         return Declined(f"dropout_p={dropout_p} inside attention (random stream)")
     mask = kwargs.get("attn_mask")
+    other_kwargs = tuple(sorted((k, v) for k, v in kwargs.items() if k != "attn_mask"))
+    key = (
+        func,
+        tuple(_layout(t) for t in tensors),
+        _layout(mask) if isinstance(mask, torch.Tensor) else mask,
+        tuple(rest),
+        other_kwargs,
+    )
+    try:
+        plan = _ATTENTION_PLANS.get(key)
+    except TypeError:  # an unhashable argument: plan this call alone
+        key, plan = None, None
+    if plan is None:
+        plan = _attention_plan(func, tensors, rest, kwargs, backward)
+        if key is not None:
+            if len(_ATTENTION_PLANS) >= 1024:
+                _ATTENTION_PLANS.clear()
+            _ATTENTION_PLANS[key] = plan
+    reqs, mask_req, places, shapes = plan
+    local_kwargs = dict(kwargs)
+    if mask_req is not None:
+        local_kwargs["attn_mask"] = local_under(mask, mask_req)
+    locals_ = [local_under(t, r) for t, r in zip(tensors, reqs)]
+    if any(x.numel() == 0 for x in locals_):
+        # an empty shard (fewer heads or batch rows than ranks): the kernel divides by the
+        # local head count, so never call it with none; every output's shard is empty too
+        device = locals_[0].device
+        outs = [
+            torch.zeros(p.box(shape).sizes, dtype=dtype, device=device)
+            for p, (shape, dtype) in zip(places, shapes)
+        ]
+    else:
+        outs = func(*locals_, *rest, **local_kwargs)
+    return tuple(wrap(o, p, shape) for o, p, (shape, _) in zip(outs, places, shapes))
+
+
+#: attention plans by operand layouts and arguments: every layer repeats the same call
+_ATTENTION_PLANS: dict = {}
+
+
+def _layout(t) -> tuple:
+    return (t._placement if is_st(t) else None, t.shape, t.dtype)
+
+
+def _attention_plan(func, tensors, rest, kwargs, backward: bool):
+    """``(operand placements, mask placement or None, output placements, output shapes
+    and dtypes)``: batch and head dims keep the cheapest operand's sharding."""
+    mask = kwargs.get("attn_mask")
     mesh = _mesh(*tensors, *([mask] if mask is not None else []))
     options = []
     for t in tensors:
@@ -386,10 +434,8 @@ def _attention(func, args, kwargs):
         if best is None or cost < best[0]:
             best = (cost, lead, reqs, mask_req)
     _, lead, reqs, mask_req = best
-    local_kwargs = dict(kwargs)
     meta_kwargs = dict(kwargs)
     if mask_req is not None:
-        local_kwargs["attn_mask"] = local_under(mask, mask_req)
         meta_kwargs["attn_mask"] = torch.empty(mask.shape, dtype=mask.dtype, device="meta")
     metas = func(
         *[torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors],
@@ -397,18 +443,7 @@ def _attention(func, args, kwargs):
         **meta_kwargs,
     )
     places = [Placement(mesh, lead + ((),) * (m.ndim - 2)) for m in metas]
-    locals_ = [local_under(t, r) for t, r in zip(tensors, reqs)]
-    if any(x.numel() == 0 for x in locals_):
-        # an empty shard (fewer heads or batch rows than ranks): the kernel divides by the
-        # local head count, so never call it with none; every output's shard is empty too
-        device = locals_[0].device
-        outs = [
-            torch.zeros(p.box(m.shape).sizes, dtype=m.dtype, device=device)
-            for p, m in zip(places, metas)
-        ]
-    else:
-        outs = func(*locals_, *rest, **local_kwargs)
-    return tuple(wrap(o, p, m.shape) for o, p, m in zip(outs, places, metas))
+    return reqs, mask_req, places, [(m.shape, m.dtype) for m in metas]
 
 
 def _gqa_safe(lead, tensors, mesh):

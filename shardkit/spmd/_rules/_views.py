@@ -303,6 +303,33 @@ def _join(func, args, kwargs, stack: bool):
                 dim_arg,
             )
             return wrap(local, Placement.replicated(st._placement.mesh, local.ndim), local.shape)
+    # the same concatenation of the same layouts recurs every step (RoPE's rotate_half):
+    # its plan depends only on the operands' layouts, shapes and dtypes and the dim
+    key = (
+        func,
+        dim_arg,
+        tuple((t._placement if is_st(t) else None, t.shape, t.dtype) for t in tensors),
+    )
+    plan = _JOIN_PLANS.get(key)
+    if plan is None:
+        plan = _join_plan(func, tensors, dim_arg, stack)
+        if len(_JOIN_PLANS) >= _MAX_MEMO:
+            _JOIN_PLANS.clear()
+        _JOIN_PLANS[key] = plan
+    if isinstance(plan, Declined):
+        return plan
+    dim, req, out_placement, out_shape = plan
+    local = func([local_under(t, req) for t in tensors], dim)
+    return wrap(local, out_placement, out_shape)
+
+
+_JOIN_PLANS: dict = {}
+
+
+def _join_plan(func, tensors: list, dim_arg: int, stack: bool):
+    """``(dim, operand placement, output placement, output shape)`` of a cat or stack, or
+    Declined: the operands are moved to the cheapest placement of one of them, with the
+    joined dim unsharded (cat) and a pending sum kept only when all share it."""
     ndim = tensors[0].ndim
     if any(t.ndim != ndim for t in tensors):
         return Declined(f"operands of different ranks {[tuple(t.shape) for t in tensors]}")
@@ -325,14 +352,11 @@ def _join(func, args, kwargs, stack: bool):
         if best is None or cost < best[0]:
             best = (cost, req)
     if best is None:
-        keep = ()
         best = (0, Placement(mesh, ((),) * ndim))
     req = best[1]
-    locals_ = [local_under(t, req) for t in tensors]
-    local = func(locals_, dim)
     out_spec = req.spec[:dim] + ((),) + req.spec[dim:] if stack else req.spec
     meta = func([_meta(t) for t in tensors], dim)
-    return wrap(local, Placement(mesh, out_spec, req.partial), meta.shape)
+    return dim, req, Placement(mesh, out_spec, req.partial), meta.shape
 
 
 @register_rule(aten.cat.default)
