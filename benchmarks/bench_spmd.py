@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+from unittest import mock
 
 import torch
 from _common import spawn_ranks, spread, time_abba
@@ -282,16 +283,8 @@ STEADY_HEAP_ENV = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOL
 
 def run_llama_steady_heap(world: int, cfg: dict) -> dict:
     """The timing half of :func:`run_llama`, with :data:`STEADY_HEAP_ENV` in the ranks."""
-    saved = {k: os.environ.get(k) for k in STEADY_HEAP_ENV}
-    os.environ.update(STEADY_HEAP_ENV)
-    try:
+    with mock.patch.dict(os.environ, STEADY_HEAP_ENV):
         result = spawn_ranks(_llama_worker, world, cfg, None, results=1)[0]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     row = _row(world, result)
     keys = ("shardkit_step_ms", "dtensor_step_ms", "step_time_ratio", "cpu_time_ratio")
     return {k: row[k] for k in keys} | {"minor_faults_per_step": result["faults"]}

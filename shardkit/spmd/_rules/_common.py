@@ -35,7 +35,24 @@ __all__ = [
     "resolve_inplace",
     "is_partial_leader",
     "norm_dim",
+    "Memo",
 ]
+
+
+class Memo(dict):
+    """Plans keyed by operand layouts (a training step repeats a bounded set of calls),
+    emptied when it holds ``limit`` entries so a changing workload cannot grow it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, value):
+        """Store ``value`` under ``key`` (emptying a full memo first); returns ``value``."""
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+        return value
 
 
 def is_st(x) -> bool:

@@ -15,6 +15,7 @@ import torch
 
 from .._dispatch import Declined, register_rule
 from ._common import (
+    Memo,
     Placement,
     disjoint,
     is_partial_leader,
@@ -44,8 +45,7 @@ def _unique(options):
 
 #: plans by the operands' layouts, shapes and element sizes: a training step repeats the
 #: same few dozen products
-_PLANS: dict = {}
-_MAX_PLANS = 4096
+_PLANS = Memo(4096)
 
 
 def _layout_key(x):
@@ -58,9 +58,7 @@ def _plan(a, b, batched: bool, mesh, out_shape, bias=None, elsize=4):
     key = (_layout_key(a), _layout_key(b), _layout_key(bias), batched, mesh, elsize)
     plan = _PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _choose(a, b, batched, mesh, out_shape, bias, elsize)
+        plan = _PLANS.put(key, _choose(a, b, batched, mesh, out_shape, bias, elsize))
     return plan
 
 

@@ -11,7 +11,7 @@ import torch
 
 from .. import _comm
 from .._dispatch import Declined, register_rule
-from ._common import Placement, is_st, local_under, move_cost, norm_dim, wrap
+from ._common import Memo, Placement, is_st, local_under, move_cost, norm_dim, wrap
 
 aten = torch.ops.aten
 
@@ -383,9 +383,7 @@ def _attention(func, args, kwargs):
     if plan is None:
         plan = _attention_plan(func, tensors, rest, kwargs, backward)
         if key is not None:
-            if len(_ATTENTION_PLANS) >= 1024:
-                _ATTENTION_PLANS.clear()
-            _ATTENTION_PLANS[key] = plan
+            _ATTENTION_PLANS.put(key, plan)
     reqs, mask_req, places, shapes = plan
     local_kwargs = dict(kwargs)
     if mask_req is not None:
@@ -405,7 +403,7 @@ def _attention(func, args, kwargs):
 
 
 #: attention plans by operand layouts and arguments: every layer repeats the same call
-_ATTENTION_PLANS: dict = {}
+_ATTENTION_PLANS = Memo(1024)
 
 
 def _layout(t) -> tuple:

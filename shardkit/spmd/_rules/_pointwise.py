@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._dispatch import Declined, register_rule
 from ._common import (
+    Memo,
     Placement,
     is_partial_leader,
     is_st,
@@ -154,8 +155,7 @@ def _choose(func, tensors, sts, mesh, first):
 
 #: pointwise plans by (op, operands' shapes / placements / identities): the choice is pure
 #: arithmetic on those, and a training step repeats the same few hundred calls
-_PLANS: dict = {}
-_MAX_PLANS = 8192
+_PLANS = Memo(8192)
 
 
 def _plan_key(func, tensors, first):
@@ -187,10 +187,7 @@ def pointwise_rule(func, args, kwargs):
     key = _plan_key(func, tensors, first)
     cached = _PLANS.get(key)
     if cached is None:
-        cached = _choose(func, tensors, sts, mesh, first)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = cached
+        cached = _PLANS.put(key, _choose(func, tensors, sts, mesh, first))
     if isinstance(cached, Declined):
         return cached
     out_shape, spec, partial, leader_only, reqs = cached

@@ -19,7 +19,7 @@ import torch
 from .._dispatch import FAST_HANDLERS, SLOW, Declined, _dispatch_rules, register_rule
 from ..layout import chunk_bounds, mesh_coords, shard_index
 from . import _fold
-from ._common import Placement, ShardedTensor, is_st, local_under, move_cost, norm_dim, wrap
+from ._common import Memo, Placement, ShardedTensor, is_st, local_under, move_cost, norm_dim, wrap
 
 aten = torch.ops.aten
 
@@ -310,20 +310,14 @@ def _join(func, args, kwargs, stack: bool):
         dim_arg,
         tuple((t._placement if is_st(t) else None, t.shape, t.dtype) for t in tensors),
     )
-    plan = _JOIN_PLANS.get(key)
+    plan = _MEMO.get(key)
     if plan is None:
-        plan = _join_plan(func, tensors, dim_arg, stack)
-        if len(_JOIN_PLANS) >= _MAX_MEMO:
-            _JOIN_PLANS.clear()
-        _JOIN_PLANS[key] = plan
+        plan = _MEMO.put(key, _join_plan(func, tensors, dim_arg, stack))
     if isinstance(plan, Declined):
         return plan
     dim, req, out_placement, out_shape = plan
     local = func([local_under(t, req) for t in tensors], dim)
     return wrap(local, out_placement, out_shape)
-
-
-_JOIN_PLANS: dict = {}
 
 
 def _join_plan(func, tensors: list, dim_arg: int, stack: bool):
@@ -401,14 +395,8 @@ def _gather_scatter(func, args, kwargs):
 
 
 # -- memoized layouts: the same view of the same layout recurs every step -------------
-_MEMO: dict = {}
-_MAX_MEMO = 8192
-
-
-def _memo_put(key, value) -> None:
-    if len(_MEMO) >= _MAX_MEMO:
-        _MEMO.clear()
-    _MEMO[key] = value
+#: view layouts and cat/stack plans (``_join``), every key led by its op
+_MEMO = Memo(8192)
 
 
 def _layout_only_fast(func, args, kwargs):
@@ -425,7 +413,7 @@ def _layout_only_fast(func, args, kwargs):
         return ShardedTensor(func(st._local_tensor, *args[1:]), hit[0], hit[1])
     out = _dispatch_rules(func, args, kwargs)
     if type(out) is ShardedTensor:
-        _memo_put(key, (out._placement, out.shape))
+        _MEMO.put(key, (out._placement, out.shape))
     return out
 
 
@@ -445,7 +433,7 @@ def _view_fast(func, args, kwargs):
             return SLOW  # communicates or folds: the rule decides
         out = Placement(p.mesh, out_spec, p.partial)
         hit = (out, torch.Size(out_shape), out.box(out_shape).sizes)
-        _memo_put(key, hit)
+        _MEMO.put(key, hit)
     return ShardedTensor(st._local_tensor.reshape(hit[2]), hit[0], hit[1])
 
 
