@@ -428,7 +428,6 @@ def run_reduce_scatter(mesh_shape=(2, 2)):
     )
 
 
-
 def run_pending_sum_pointwise(mesh_shape=(2, 2)):
     """A replicated tensor combined with a sum pending over 'data', out of place and in
     place: values against torch, and a view of the in-place target reads the same."""
