@@ -20,6 +20,7 @@ is recorded for every load. Prints one JSON line.
     .venv/bin/python benchmarks/bench_io_limit.py --quick    # smoke run: 64 MiB, 3 rounds
     .venv/bin/python benchmarks/bench_io_limit.py --size-mib 4096 --threads 8
     .venv/bin/python benchmarks/bench_io_limit.py --only save     # the save paths alone
+    .venv/bin/python benchmarks/bench_io_limit.py --only load --verify-cost  # loads, and without hashing
 """
 
 from __future__ import annotations
@@ -136,6 +137,45 @@ def _plain_write(root: str, parts: list[memoryview], threads: int) -> None:
     os.close(fd)
 
 
+class _NoDigest:
+    """Stands in for ``xxhash.xxh3_64`` in :func:`_unverified`: hashes nothing and its
+    digest compares equal to any stored checksum."""
+
+    def __init__(self, *args) -> None:
+        pass
+
+    def update(self, data) -> None:
+        pass
+
+    def hexdigest(self) -> _NoDigest:
+        return self
+
+    def __eq__(self, other) -> bool:
+        return True
+
+    def __ne__(self, other) -> bool:
+        return False
+
+    __hash__ = None
+
+
+def _unverified(load):
+    """``load`` run with the read path's block checksums stubbed out (``--verify-cost``)."""
+    from types import SimpleNamespace
+
+    from shardkit.checkpoint._core import _read_chunks
+
+    def run() -> None:
+        keep = _read_chunks.xxhash
+        _read_chunks.xxhash = SimpleNamespace(xxh3_64=_NoDigest)
+        try:
+            load()
+        finally:
+            _read_chunks.xxhash = keep
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=1024)
@@ -149,6 +189,12 @@ def main() -> None:
         "--scratch-baseline",
         action="store_true",
         help="also time the resharded load with scattered row reads off (scratch + copy)",
+    )
+    parser.add_argument(
+        "--verify-cost",
+        action="store_true",
+        help="also time both loads with checksum verification stubbed out (a ceiling that "
+        "shows what verifying costs; not a mode shardkit offers)",
     )
     parser.add_argument(
         "--only", choices=("save", "load"), help="time only the save or only the load paths"
@@ -234,6 +280,9 @@ def main() -> None:
                 _read_chunks._SCATTER_MIN_ROW = keep
 
         loads["reshard_scratch"] = sk_reshard_scratch
+    if args.verify_cost:
+        loads["load_unverified"] = _unverified(sk_load)
+        loads["reshard_unverified"] = _unverified(sk_reshard)
     saves = {"write_fsync": plain_write, "save": sk_save, "async_save": sk_async}
     if not args.no_torch:
         saves["torch_save"] = th_save
@@ -244,6 +293,7 @@ def main() -> None:
     dirs = {"load": "sk", "readinto": "sk", "reshard_load": "cols", "readinto_cols": "cols"}
     dirs["torch_load"] = "th"
     dirs["reshard_scratch"] = "cols"
+    dirs.update(load_unverified="sk", reshard_unverified="cols")
     times: dict[str, list[float]] = {}
     growth: dict[str, list[int]] = {}
     for r in range(args.rounds):
@@ -316,6 +366,14 @@ def main() -> None:
             for mode in ("warm", "cold")
         }
         if args.scratch_baseline
+        else None,
+        # with checksum verification stubbed out (--verify-cost): what a load without its
+        # hashing pass would reach, as a fraction of plain I/O
+        "unverified_fraction_of_plain_io": {
+            "load_warm": frac("readinto_warm", "load_unverified_warm"),
+            "reshard_load_warm": frac("readinto_cols_warm", "reshard_unverified_warm"),
+        }
+        if args.verify_cost
         else None,
         "peak_rss_over_destination_mib": {
             k: round(max(v) / MiB, 1) for k, v in growth.items() if not k.startswith("readinto")
