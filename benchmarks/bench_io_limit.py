@@ -35,6 +35,8 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
@@ -138,7 +140,7 @@ def _plain_write(root: str, parts: list[memoryview], threads: int) -> None:
 
 
 class _NoDigest:
-    """Stands in for ``xxhash.xxh3_64`` in :func:`_unverified`: hashes nothing and its
+    """Stands in for ``xxhash.xxh3_64`` under ``--verify-cost``: hashes nothing and its
     digest compares equal to any stored checksum."""
 
     def __init__(self, *args) -> None:
@@ -159,19 +161,13 @@ class _NoDigest:
     __hash__ = None
 
 
-def _unverified(load):
-    """``load`` run with the read path's block checksums stubbed out (``--verify-cost``)."""
-    from types import SimpleNamespace
-
+def _patched(load, name: str, value):
+    """``load`` run with the read path's module attribute ``name`` set to ``value``."""
     from shardkit.checkpoint._core import _read_chunks
 
     def run() -> None:
-        keep = _read_chunks.xxhash
-        _read_chunks.xxhash = SimpleNamespace(xxh3_64=_NoDigest)
-        try:
+        with mock.patch.object(_read_chunks, name, value):
             load()
-        finally:
-            _read_chunks.xxhash = keep
 
     return run
 
@@ -268,21 +264,12 @@ def main() -> None:
     }
     if not args.no_torch:
         loads["torch_load"] = th_load
-    if args.scratch_baseline:
-        from shardkit.checkpoint._core import _read_chunks
-
-        def sk_reshard_scratch():
-            keep = _read_chunks._SCATTER_MIN_ROW
-            _read_chunks._SCATTER_MIN_ROW = 1 << 62  # no row is large enough to scatter
-            try:
-                sk_reshard()
-            finally:
-                _read_chunks._SCATTER_MIN_ROW = keep
-
-        loads["reshard_scratch"] = sk_reshard_scratch
-    if args.verify_cost:
-        loads["load_unverified"] = _unverified(sk_load)
-        loads["reshard_unverified"] = _unverified(sk_reshard)
+    if args.scratch_baseline:  # no row is large enough to scatter
+        loads["reshard_scratch"] = _patched(sk_reshard, "_SCATTER_MIN_ROW", 1 << 62)
+    if args.verify_cost:  # every block checksum "matches" without hashing
+        no_hash = SimpleNamespace(xxh3_64=_NoDigest)
+        loads["load_unverified"] = _patched(sk_load, "xxhash", no_hash)
+        loads["reshard_unverified"] = _patched(sk_reshard, "xxhash", no_hash)
     saves = {"write_fsync": plain_write, "save": sk_save, "async_save": sk_async}
     if not args.no_torch:
         saves["torch_save"] = th_save
