@@ -61,8 +61,7 @@ class LoopbackS3:
                 "endpoint_url": self.endpoint_url,
                 "region_name": _DUMMY_ENV["AWS_DEFAULT_REGION"],
             },
-            # A fresh filesystem object per test: s3fs caches instances and listings.
-            "skip_instance_cache": True,
+            # s3fs caches listings, which would hide other writers' objects.
             "use_listings_cache": False,
         }
 
