@@ -182,7 +182,7 @@ def test_column_chunks_land_in_strided_rows_and_are_verified(tmp_path, monkeypat
     monkeypatch.setattr(_format, "BLOCK_BYTES", 400)
     monkeypatch.setattr(_read_chunks, "_PIECE_BYTES", piece_bytes)
     monkeypatch.setattr(_read_chunks, "_SCRATCH_PIECE_BYTES", piece_bytes)
-    monkeypatch.setattr(_read_chunks, "_BAND_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(_read_chunks, "_PLACE_PIECE_BYTES", piece_bytes)
     full = torch.randn(64, 10, dtype=torch.float64)
     md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner())
     assert [c.box.sizes for c in md.tensors["w"].chunks] == [(64, 5), (64, 5)]

@@ -14,13 +14,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["copy_into"]
+__all__ = ["copy_into", "raw_array"]
 
 #: A same-size integer dtype per item size: numpy copies raw items of any dtype through it.
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _raw(t: torch.Tensor) -> np.ndarray | None:
+def raw_array(t: torch.Tensor) -> np.ndarray | None:
+    """``t``'s items as a numpy array of same-size integers (a view, strides kept); None
+    for dtypes and layouts numpy cannot copy raw (complex, conjugated, not on the CPU)."""
     raw = _RAW.get(t.dtype.itemsize)
     if raw is None or t.is_complex() or t.device.type != "cpu" or t.is_conj() or t.is_neg():
         return None
@@ -31,7 +33,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for same-shape, same-dtype CPU tensors on one thread; other
     cases (a device, a dtype change, broadcasting) are ``copy_``'s."""
     if dst.dtype == src.dtype and dst.shape == src.shape and dst.numel():
-        d, s = _raw(dst), _raw(src)
+        d, s = raw_array(dst), raw_array(src)
         if d is not None and s is not None:
             np.copyto(d, s, casting="no")
             return

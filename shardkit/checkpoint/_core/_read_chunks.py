@@ -1,15 +1,13 @@
 """Reading saved chunks into place, verifying every checksum block they touch.
 
 Each chunk is read in row pieces. A piece that covers whole destination rows is read
-straight into a contiguous destination and hashed while still in the CPU cache. Otherwise
-(resharding) the piece is read into a cache-sized scratch buffer, hashed, and its overlap
-is copied into place. No file is ever memory-mapped: a load's memory is its destination
+straight into a contiguous destination and hashed while still in the CPU cache. A piece
+of whole chunk rows that land in strided destination rows (a chunk cut along a later
+dim) is read into a cache-sized scratch buffer, hashed in one call and copied into place
+by one strided numpy copy: all three run without the GIL, so reader threads share the
+cores. Otherwise the piece is read into a scratch buffer, hashed, and its overlap is
+copied into place. No file is ever memory-mapped: a load's memory is its destination
 plus a few MiB of scratch per reading thread, whatever the size of the files.
-
-When several chunks fill one band of destination rows side by side (a shard that was
-split along a later dim when saved), their pieces are read in lockstep and written
-one band of rows at a time. The destination is then written front to back, which
-is markedly faster than one strided pass per chunk.
 """
 
 from __future__ import annotations
@@ -17,15 +15,15 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 
 from ...spmd.layout import Box
-from ._copy import copy_into
+from ._copy import copy_into, raw_array
 from ._errors import CorruptCheckpointError
 from ._format import ChunkMeta, num_rows, row_bytes
 from ._planner import LoadPlanner, ReadItem
@@ -39,16 +37,11 @@ _PIECE_BYTES = 1 << 20
 #: Bytes per piece when resharding out of a memory map or a scratch buffer: larger pieces
 #: amortise the per-piece strided copy; measured best at about one checksum block.
 _SCRATCH_PIECE_BYTES = 4 << 20
-#: Bytes per band of rows, all chunks of the band together, so the band's pieces stay
-#: in the CPU cache between hashing and copying.
-_BAND_PIECE_BYTES = 1 << 20
 #: Bytes of one large chunk that one reader thread takes at a time.
 _SPLIT_BYTES = 16 << 20
-#: Smallest chunk row (bytes) read by scattering rows straight into a strided destination;
-#: below it, the per-row cost of the I/O vector outweighs the copy it saves.
-_SCATTER_MIN_ROW = 2048
-#: Rows per scattered read (the kernel takes at most IOV_MAX = 1024 vectors per call).
-_SCATTER_MAX_ROWS = 512
+#: Bytes per piece placed into strided rows: read, hashed and copied while in the CPU
+#: cache. 2 MiB measured best of 1-4 MiB (docs/performance.md).
+_PLACE_PIECE_BYTES = 2 << 20
 
 _scratch = threading.local()
 
@@ -60,17 +53,12 @@ def chunk_label(key: str, chunk: ChunkMeta) -> str:
     )
 
 
-def _scratch_bytes(nbytes: int, slot: int = 0) -> torch.Tensor:
-    """A small per-thread reusable byte buffer; ``slot`` tells apart the buffers of chunks
-    read in lockstep (a band)."""
-    bufs = getattr(_scratch, "bufs", None)
-    if bufs is None:
-        _scratch.bufs = bufs = {}
-    buf = bufs.get(slot)
+def _scratch_bytes(nbytes: int) -> torch.Tensor:
+    """A small per-thread reusable byte buffer."""
+    buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < nbytes:
-        bufs[slot] = None  # free the old buffer first
-        size = max(nbytes, _SCRATCH_PIECE_BYTES) if slot == 0 else nbytes
-        bufs[slot] = buf = torch.empty(size, dtype=torch.uint8)
+        _scratch.buf = None  # free the old buffer first
+        _scratch.buf = buf = torch.empty(max(nbytes, _SCRATCH_PIECE_BYTES), dtype=torch.uint8)
     return buf[:nbytes]
 
 
@@ -124,42 +112,28 @@ class LocalFiles:
             os.close(fd)
 
 
-def _scatter_view(item: ReadItem, dest: torch.Tensor, dtype: torch.dtype) -> memoryview | None:
-    """The bytes spanned by ``dest`` when every chunk row of ``item`` lands in one
-    contiguous run of it (each destination row's inner part is contiguous and the item
-    takes whole chunk rows), so rows can be read straight into place; else None."""
-    chunk, box = item.chunk, item.box
+def _placed_rows(item: ReadItem, dest: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
+    """``dest`` as a raw numpy array when ``item`` takes whole chunk rows into a CPU
+    destination of the saved dtype: a piece of rows then goes into place by one strided
+    copy, whatever the destination's strides; else None."""
+    box, chunk = item.box, item.chunk
     if (
-        box.ndim < 2
+        not box.ndim
         or tuple(box.sizes[1:]) != tuple(chunk.box.sizes[1:])
         or dest.device.type != "cpu"
         or dest.dtype != dtype
-        or row_bytes(chunk.box.sizes, dtype.itemsize) < _SCATTER_MIN_ROW
-        or dest.shape[0] < 1
-        or dest[0].numel() == 0
-        or not dest[0].is_contiguous()
-        or dest.stride(0) < dest[0].numel()
     ):
         return None
-    span = (dest.shape[0] - 1) * dest.stride(0) + dest[0].numel()
-    flat = dest.as_strided((span,), (1,), dest.storage_offset())
-    return memoryview(flat.view(torch.uint8).numpy())
+    return raw_array(dest)
 
 
-def _read_rows(
-    files: LocalFiles, item: ReadItem, offset: int, vecs: list[memoryview], total: int, digest
-) -> None:
-    """Read ``total`` bytes of consecutive chunk rows from ``offset`` into the ``vecs``
-    views (one vector per row) and hash them in file order."""
-    got = os.preadv(files._fd(item.chunk.file), vecs, offset)
-    if got < total:  # a short read: finish row by row
-        done = 0
-        for vec in vecs:
-            if done + len(vec) > got:
-                skip = max(0, got - done)
-                _read(files, item, offset + done + skip, vec[skip:])
-            done += len(vec)
-    deque(map(digest.update, vecs), maxlen=0)
+def _place(files: LocalFiles, item: ReadItem, offset: int, out: np.ndarray, digest) -> None:
+    """Read the chunk rows of ``out`` from ``offset`` into scratch, hash them in one call,
+    and copy them into ``out`` (strided rows) in one more."""
+    buf = _scratch_bytes(out.nbytes).numpy()
+    _read(files, item, offset, memoryview(buf))
+    digest.update(buf)
+    np.copyto(out, buf.view(out.dtype).reshape(out.shape), casting="no")
 
 
 def _read(files: LocalFiles, item: ReadItem, offset: int, view: memoryview) -> None:
@@ -185,8 +159,6 @@ def _pieces(
     dest: torch.Tensor,
     dtype: torch.dtype,
     files: LocalFiles,
-    step_bytes: int | None = None,
-    slot: int = 0,
 ) -> Iterator[_Copy]:
     """Read the chunk rows covering ``item.box``, widened to whole checksum blocks, and
     yield each piece's overlap that was not read in place.
@@ -209,13 +181,12 @@ def _pieces(
         and dest.is_contiguous()
     )
     out = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if direct else None
-    scatter = None if direct or not files.usable else _scatter_view(item, dest, dtype)
-    if step_bytes is None:
-        step_bytes = _PIECE_BYTES if direct or scatter is not None else _SCRATCH_PIECE_BYTES
+    placed = None if direct else _placed_rows(item, dest, dtype)
+    if direct:
+        step_bytes = _PIECE_BYTES
+    else:
+        step_bytes = _SCRATCH_PIECE_BYTES if placed is None else _PLACE_PIECE_BYTES
     step = max(1, step_bytes // max(1, rb))
-    if scatter is not None:
-        step = min(step, _SCATTER_MAX_ROWS)
-        pitch = dest.stride(0) * dtype.itemsize
     block = chunk.block_rows
     for b in range(r0 // block, math.ceil(r1 / block)):
         if b >= len(chunk.checksums):
@@ -232,12 +203,11 @@ def _pieces(
                 _read(files, item, chunk.offset + ps * rb, view)
                 digest.update(view)
                 continue
-            if scatter is not None and (lo, hi) == (ps, pe):
-                first = (ps - r0) * pitch
-                vecs = [scatter[o : o + rb] for o in range(first, first + (pe - ps) * pitch, pitch)]
-                _read_rows(files, item, chunk.offset + ps * rb, vecs, (pe - ps) * rb, digest)
+            if placed is not None and (lo, hi) == (ps, pe):
+                into = placed[ps - r0 : pe - r0]
+                _place(files, item, chunk.offset + ps * rb, into, digest)
                 continue
-            buf = _scratch_bytes((pe - ps) * rb, slot)
+            buf = _scratch_bytes((pe - ps) * rb)
             _read(files, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
             digest.update(memoryview(buf.numpy()))
             if lo < hi:
@@ -260,77 +230,6 @@ def _read_one(planner, item, dtype, files, dest=None) -> None:
     with torch.no_grad():
         for piece in _pieces(item, dest, dtype, files):
             copy_into(dest[piece.lo : piece.hi], piece.src)
-
-
-def _band(items: list[ReadItem], dests: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
-    """The destination rows ``items`` fill side by side along one dim, as one contiguous
-    view, and that dim; None when they do not tile such a view exactly."""
-    first = items[0].box
-    if len(items) < 2 or first.ndim < 2:
-        return None
-    differ = {d for i in items for d in range(first.ndim) if i.box.offsets[d] != first.offsets[d]}
-    if len(differ) != 1 or 0 in differ:
-        return None
-    (dim,) = differ
-    if any(i.box.sizes[d] != first.sizes[d] for i in items for d in range(first.ndim) if d != dim):
-        return None
-    d0 = dests[0]
-    if any(
-        d.device.type != "cpu"
-        or d.dtype != d0.dtype
-        or d.stride() != d0.stride()
-        or d.untyped_storage().data_ptr() != d0.untyped_storage().data_ptr()
-        or d.storage_offset()
-        != d0.storage_offset() + (i.box.offsets[dim] - first.offsets[dim]) * d0.stride(dim)
-        for i, d in zip(items, dests)
-    ):
-        return None
-    offsets = [i.box.offsets[dim] for i in items]
-    if any(b != a + i.box.sizes[dim] for a, b, i in zip(offsets, offsets[1:], items)):
-        return None  # gaps or overlaps along the dim
-    sizes = list(first.sizes)
-    sizes[dim] = sum(i.box.sizes[dim] for i in items)
-    band = d0.as_strided(sizes, d0.stride(), d0.storage_offset())
-    return (band, dim) if band.is_contiguous() else None
-
-
-def _write_band(out: torch.Tensor, dim: int, parts: list[torch.Tensor]) -> None:
-    """``torch.cat(parts, dim, out=out)``, written as one single-threaded copy per part
-    into its slot (``torch.cat`` with ``out=`` measured far slower on small bands)."""
-    start = 0
-    for part in parts:
-        copy_into(out.narrow(dim, start, part.shape[dim]), part)
-        start += part.shape[dim]
-
-
-def _read_band(planner, items, dtypes, files) -> None:
-    """Read chunks that fill the same destination rows side by side, in lockstep."""
-    items = sorted(items, key=lambda i: i.box.offsets)
-    dests = [_destination(planner, i) for i in items]
-    found = _band(items, dests)
-    if found is None or any(dtypes[i.key] != d.dtype for i, d in zip(items, dests)):
-        for item, dest in zip(items, dests):
-            _read_one(planner, item, dtypes[item.key], files, dest)
-        return
-    band, dim = found
-    step = max(1, _BAND_PIECE_BYTES // len(items))
-    pieces = [
-        _pieces(i, d, d.dtype, files, step, slot=k) for k, (i, d) in enumerate(zip(items, dests))
-    ]
-    pending = [next(p, None) for p in pieces]
-    with torch.no_grad():
-        while any(p is not None for p in pending):
-            spans = {(p.lo, p.hi) for p in pending if p is not None}
-            if len(spans) == 1 and None not in pending:  # aligned: one front-to-back write
-                lo, hi = spans.pop()
-                _write_band(band[lo:hi], dim, [p.src for p in pending])
-                pending = [next(p, None) for p in pieces]
-                continue
-            first = min(p.lo for p in pending if p is not None)
-            for k, p in enumerate(pending):  # misaligned pieces: copy the earliest ones
-                if p is not None and p.lo == first:
-                    copy_into(dests[k][p.lo : p.hi], p.src)
-                    pending[k] = next(pieces[k], None)
 
 
 def _split(item: ReadItem, dtype: torch.dtype) -> list[ReadItem]:
@@ -357,36 +256,16 @@ def _split(item: ReadItem, dtype: torch.dtype) -> list[ReadItem]:
 
 
 def read_items(planner, items: list[ReadItem], dtypes: dict, files: LocalFiles, pool):
-    """Read every item, a band of side-by-side chunks at a time, on ``pool`` if given
-    (a large single chunk in row ranges, so all the pool's threads read it)."""
-    bands: dict[tuple, list[ReadItem]] = {}
-    for item in sorted(items, key=lambda i: (i.chunk.file, i.chunk.offset)):
-        rows = (item.box.offsets[:1], item.box.sizes[:1])
-        bands.setdefault((item.key, rows), []).append(item)
-
-    def run(group: list[ReadItem]) -> None:
-        if len(group) == 1:
-            _read_one(planner, group[0], dtypes[group[0].key], files)
-        else:
-            _read_band(planner, group, dtypes, files)
-
+    """Read every item, each chunk on its own, on ``pool`` if given (a large chunk in
+    row ranges, so all the pool's threads read it)."""
+    parts = [
+        part
+        for item in sorted(items, key=lambda i: (i.chunk.file, i.chunk.offset))
+        for part in _split(item, dtypes[item.key])
+    ]
     if pool is None:
-        for group in bands.values():
-            run(group)
+        for part in parts:
+            _read_one(planner, part, dtypes[part.key], files)
         return
-    groups: list[list[ReadItem]] = []
-    for group in bands.values():
-        if (
-            len(group) > 1
-            and files.usable
-            and all(
-                _scatter_view(i, _destination(planner, i), dtypes[i.key]) is not None for i in group
-            )
-        ):  # rows are read straight into place: no band to write, share the chunks out
-            groups += [[part] for i in group for part in _split(i, dtypes[i.key])]
-        elif len(group) == 1:
-            groups += [[part] for part in _split(group[0], dtypes[group[0].key])]
-        else:
-            groups.append(group)
-    for fut in [pool.submit(run, group) for group in groups]:
+    for fut in [pool.submit(_read_one, planner, p, dtypes[p.key], files) for p in parts]:
         fut.result()
