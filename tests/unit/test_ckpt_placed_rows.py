@@ -84,18 +84,22 @@ def test_column_chunks_of_any_widths_into_any_strides(
     assert sum(placed) == num_chunks * shape[0]
 
 
+def _read_item(path, item: ReadItem, dest: torch.Tensor) -> None:
+    """Read one planned item (a box of one chunk) into ``dest`` as a load does."""
+    files = _read_chunks.LocalFiles(dcp.FileSystemReader(path))
+    try:
+        for piece in _read_chunks._pieces(item, dest, dest.dtype, files):
+            dest[piece.lo : piece.hi].copy_(piece.src)
+    finally:
+        files.close()
+
+
 def test_part_of_a_chunks_columns_takes_the_scratch_path(tmp_path, placed):
     """A destination that takes columns 2..6 of a chunk cannot take its rows whole."""
     full = torch.randn(30, 16, dtype=torch.float64)
     md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([8]))
     dest = torch.zeros(30, 4, dtype=torch.float64)
-    item = ReadItem("w", Box((0, 2), (30, 4)), md.tensors["w"].chunks[0])
-    files = _read_chunks.LocalFiles(dcp.FileSystemReader(tmp_path))
-    try:
-        for piece in _read_chunks._pieces(item, dest, torch.float64, files):
-            dest[piece.lo : piece.hi].copy_(piece.src)
-    finally:
-        files.close()
+    _read_item(tmp_path, ReadItem("w", Box((0, 2), (30, 4)), md.tensors["w"].chunks[0]), dest)
     assert torch.equal(dest, full[:, 2:6]) and placed == []
 
 
@@ -157,14 +161,7 @@ def test_a_row_window_starting_inside_a_block_is_placed_and_verified(tmp_path, p
 
     def read_window() -> torch.Tensor:
         wide = torch.zeros(30, 16, dtype=torch.float64)
-        dest = wide[:, 8:]
-        item = ReadItem("w", Box((5, 8), (30, 8)), chunk)
-        files = _read_chunks.LocalFiles(dcp.FileSystemReader(tmp_path))
-        try:
-            for piece in _read_chunks._pieces(item, dest, torch.float64, files):
-                dest[piece.lo : piece.hi].copy_(piece.src)
-        finally:
-            files.close()
+        _read_item(tmp_path, ReadItem("w", Box((5, 8), (30, 8)), chunk), wide[:, 8:])
         return wide
 
     wide = read_window()
