@@ -184,8 +184,8 @@ def main() -> None:
     parser.add_argument(
         "--scratch-baseline",
         action="store_true",
-        help="also time the resharded load with whole-row placing off (the generic path: "
-        "scratch buffer, then a copy of each piece's overlap)",
+        help="also time the resharded load with numpy placing off (the path a device or a "
+        "dtype change takes: scratch buffer, then copy_ of each piece's part)",
     )
     parser.add_argument(
         "--verify-cost",
@@ -265,8 +265,8 @@ def main() -> None:
     }
     if not args.no_torch:
         loads["torch_load"] = th_load
-    if args.scratch_baseline:  # no destination takes whole rows
-        loads["reshard_scratch"] = _patched(sk_reshard, "_placed_rows", lambda *args: None)
+    if args.scratch_baseline:  # as if no destination could take a raw numpy copy
+        loads["reshard_scratch"] = _patched(sk_reshard, "_raw_destination", lambda *args: None)
     if args.verify_cost:  # every block checksum "matches" without hashing
         no_hash = SimpleNamespace(xxh3_64=_NoDigest)
         loads["load_unverified"] = _patched(sk_load, "xxhash", no_hash)
@@ -348,7 +348,7 @@ def main() -> None:
             if plain in times and ours in times
             for v in [[p / o for p, o in zip(times[plain], times[ours])]]
         },
-        # resharded load, whole rows placed / generic scratch path: below 1 is faster
+        # resharded load, numpy placing / the copy_ path: below 1 is faster
         "reshard_placed_vs_scratch": {
             mode: ratio(f"reshard_load_{mode}", f"reshard_scratch_{mode}")
             for mode in ("warm", "cold")

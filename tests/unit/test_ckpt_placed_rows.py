@@ -1,9 +1,10 @@
-"""Resharded loads place whole chunk rows into strided destination rows (a cache-sized
-piece read, hashed in one call and copied into place in one) whenever the destination
-takes whole chunk rows: chunks cut along a later dim, any row length, any strides.
+"""Resharded loads place each piece of saved rows into its strided destination (a
+cache-sized piece read, hashed in one call, and its part copied into place in one)
+whenever the destination is on the CPU in the saved dtype: chunks cut along a later dim,
+a rank's column shard, any row length, any strides.
 
-Each case checks the bytes against the saved tensor and whether the placed-rows path was
-taken, so a wrong fast path and a regression to the scratch path both show.
+Each case checks the bytes against the saved tensor and whether the placing path was
+taken, so a wrong fast path and a regression to the generic copy path both show.
 """
 
 import os
@@ -28,9 +29,9 @@ def placed(monkeypatch):
     rows = []
     real = _read_chunks._place
 
-    def spy(files, item, offset, out, digest):
+    def spy(files, item, offset, shape, take, out, digest):
         rows.append(out.shape[0])
-        return real(files, item, offset, out, digest)
+        return real(files, item, offset, shape, take, out, digest)
 
     monkeypatch.setattr(_read_chunks, "_place", spy)
     return rows
@@ -84,6 +85,15 @@ def test_column_chunks_of_any_widths_into_any_strides(
     assert sum(placed) == num_chunks * shape[0]
 
 
+def test_a_dtype_change_takes_the_copy_path(tmp_path, placed):
+    """float64 saved, float32 wanted: each piece goes through ``copy_``, which casts."""
+    full = torch.randn(30, 16, dtype=torch.float64)
+    dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([8]))
+    dest = torch.zeros(30, 16, dtype=torch.float32)
+    dcp.load({"w": dest}, checkpoint_id=tmp_path)
+    assert torch.equal(dest, full.float()) and placed == []
+
+
 def _read_item(path, item: ReadItem, dest: torch.Tensor) -> None:
     """Read one planned item (a box of one chunk) into ``dest`` as a load does."""
     files = _read_chunks.LocalFiles(dcp.FileSystemReader(path))
@@ -94,13 +104,13 @@ def _read_item(path, item: ReadItem, dest: torch.Tensor) -> None:
         files.close()
 
 
-def test_part_of_a_chunks_columns_takes_the_scratch_path(tmp_path, placed):
-    """A destination that takes columns 2..6 of a chunk cannot take its rows whole."""
+def test_part_of_a_chunks_columns_is_placed(tmp_path, placed):
+    """A destination that takes columns 2..6 of a chunk (a rank's column shard)."""
     full = torch.randn(30, 16, dtype=torch.float64)
     md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([8]))
     dest = torch.zeros(30, 4, dtype=torch.float64)
     _read_item(tmp_path, ReadItem("w", Box((0, 2), (30, 4)), md.tensors["w"].chunks[0]), dest)
-    assert torch.equal(dest, full[:, 2:6]) and placed == []
+    assert torch.equal(dest, full[:, 2:6]) and sum(placed) == 30
 
 
 def test_short_reads_are_completed(tmp_path, placed, monkeypatch):
@@ -153,8 +163,8 @@ def test_remote_store_places_rows_one_request_per_piece(placed, monkeypatch):
 
 
 def test_a_row_window_starting_inside_a_block_is_placed_and_verified(tmp_path, placed):
-    """Rows 5..35 of a column chunk: the pieces cut by the window go through scratch, the
-    whole ones are placed, and every checksum block touched is verified in full."""
+    """Rows 5..35 of a column chunk: every row is placed, those of pieces the window cuts
+    too, and every checksum block touched is verified in full."""
     full = torch.randn(40, 16, dtype=torch.float64)
     md = dcp.save({"w": full}, checkpoint_id=tmp_path, planner=ColumnPlanner([8]))
     chunk = md.tensors["w"].chunks[1]  # columns 8..16, 8 rows per checksum block
@@ -167,7 +177,7 @@ def test_a_row_window_starting_inside_a_block_is_placed_and_verified(tmp_path, p
     wide = read_window()
     assert torch.equal(wide[:, 8:], full[5:35, 8:])
     assert torch.equal(wide[:, :8], torch.zeros(30, 8, dtype=torch.float64))
-    assert placed and sum(placed) < 30  # some rows placed, the cut pieces not
+    assert sum(placed) == 30
     path = tmp_path / chunk.file
     data = bytearray(path.read_bytes())
     data[chunk.offset + 2 * 64] ^= 0x01  # row 2: outside the window, inside its first block

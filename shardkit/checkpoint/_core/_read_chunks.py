@@ -1,13 +1,13 @@
 """Reading saved chunks into place, verifying every checksum block they touch.
 
-Each chunk is read in row pieces. A piece that covers whole destination rows is read
-straight into a contiguous destination and hashed while still in the CPU cache. A piece
-of whole chunk rows that land in strided destination rows (a chunk cut along a later
-dim) is read into a cache-sized scratch buffer, hashed in one call and copied into place
-by one strided numpy copy: all three run without the GIL, so reader threads share the
-cores. Otherwise the piece is read into a scratch buffer, hashed, and its overlap is
-copied into place. No file is ever memory-mapped: a load's memory is its destination
-plus a few MiB of scratch per reading thread, whatever the size of the files.
+Each chunk is read in row pieces. A piece that covers whole rows of a contiguous
+destination is read straight into it and hashed while still in the CPU cache. Any other
+piece (a reshard) is read into a cache-sized scratch buffer and hashed in one call; when
+the destination is on the CPU in the saved dtype, the piece's part is copied into its
+strided place by one numpy copy. All three steps run without the GIL, so reader threads
+share the cores. A destination on a device, or in another dtype, gets the piece through
+``copy_``. No file is ever memory-mapped: a load's memory is its destination plus a few
+MiB of scratch per reading thread, whatever the size of the files.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ __all__ = ["LocalFiles", "chunk_label", "read_items"]
 #: Bytes read per call when reading straight into the destination: each piece is hashed
 #: while it is still in the CPU cache, instead of streaming the chunk through DRAM twice.
 _PIECE_BYTES = 1 << 20
-#: Bytes per piece when resharding out of a memory map or a scratch buffer: larger pieces
-#: amortise the per-piece strided copy; measured best at about one checksum block.
+#: Bytes per scratch piece for a destination that ``copy_`` fills (a device, a dtype
+#: change): larger pieces amortise the per-piece copy; about one checksum block.
 _SCRATCH_PIECE_BYTES = 4 << 20
 #: Bytes of one large chunk that one reader thread takes at a time.
 _SPLIT_BYTES = 16 << 20
@@ -112,28 +112,22 @@ class LocalFiles:
             os.close(fd)
 
 
-def _placed_rows(item: ReadItem, dest: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
-    """``dest`` as a raw numpy array when ``item`` takes whole chunk rows into a CPU
-    destination of the saved dtype: a piece of rows then goes into place by one strided
-    copy, whatever the destination's strides; else None."""
-    box, chunk = item.box, item.chunk
-    if (
-        not box.ndim
-        or tuple(box.sizes[1:]) != tuple(chunk.box.sizes[1:])
-        or dest.device.type != "cpu"
-        or dest.dtype != dtype
-    ):
+def _raw_destination(item: ReadItem, dest: torch.Tensor, dtype: torch.dtype) -> np.ndarray | None:
+    """``dest`` as a raw numpy array when it is on the CPU in the saved dtype: each piece's
+    overlap then goes into place by one strided numpy copy, whatever the strides; else
+    None (a device or a dtype change, which ``copy_`` does)."""
+    if not item.box.ndim or dest.device.type != "cpu" or dest.dtype != dtype:
         return None
     return raw_array(dest)
 
 
-def _place(files: LocalFiles, item: ReadItem, offset: int, out: np.ndarray, digest) -> None:
-    """Read the chunk rows of ``out`` from ``offset`` into scratch, hash them in one call,
-    and copy them into ``out`` (strided rows) in one more."""
-    buf = _scratch_bytes(out.nbytes).numpy()
+def _place(files, item: ReadItem, offset: int, shape: tuple, take: tuple, out, digest) -> None:
+    """Read a piece of chunk rows (``shape``) from ``offset`` into scratch, hash it in one
+    call, and copy its part ``take`` into ``out`` (strided destination rows) in one more."""
+    buf = _scratch_bytes(math.prod(shape) * out.itemsize).numpy()
     _read(files, item, offset, memoryview(buf))
     digest.update(buf)
-    np.copyto(out, buf.view(out.dtype).reshape(out.shape), casting="no")
+    np.copyto(out, buf.view(out.dtype).reshape(shape)[take], casting="no")
 
 
 def _read(files: LocalFiles, item: ReadItem, offset: int, view: memoryview) -> None:
@@ -181,7 +175,7 @@ def _pieces(
         and dest.is_contiguous()
     )
     out = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if direct else None
-    placed = None if direct else _placed_rows(item, dest, dtype)
+    placed = None if direct else _raw_destination(item, dest, dtype)
     if direct:
         step_bytes = _PIECE_BYTES
     else:
@@ -203,9 +197,17 @@ def _pieces(
                 _read(files, item, chunk.offset + ps * rb, view)
                 digest.update(view)
                 continue
-            if placed is not None and (lo, hi) == (ps, pe):
-                into = placed[ps - r0 : pe - r0]
-                _place(files, item, chunk.offset + ps * rb, into, digest)
+            if placed is not None and lo < hi:
+                shape, take = (pe - ps, *chunk.box.sizes[1:]), (slice(lo - ps, hi - ps), *inner)
+                _place(
+                    files,
+                    item,
+                    chunk.offset + ps * rb,
+                    shape,
+                    take,
+                    placed[lo - r0 : hi - r0],
+                    digest,
+                )
                 continue
             buf = _scratch_bytes((pe - ps) * rb)
             _read(files, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
