@@ -8,6 +8,7 @@ taken, so a wrong fast path and a regression to the generic copy path both show.
 """
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,9 +30,9 @@ def placed(monkeypatch):
     rows = []
     real = _read_chunks._place
 
-    def spy(files, item, offset, shape, take, out, digest):
+    def spy(out, src):
         rows.append(out.shape[0])
-        return real(files, item, offset, shape, take, out, digest)
+        return real(out, src)
 
     monkeypatch.setattr(_read_chunks, "_place", spy)
     return rows
@@ -96,10 +97,10 @@ def test_a_dtype_change_takes_the_copy_path(tmp_path, placed):
 
 def _read_item(path, item: ReadItem, dest: torch.Tensor) -> None:
     """Read one planned item (a box of one chunk) into ``dest`` as a load does."""
+    planner = SimpleNamespace(resolve_tensor=lambda _: dest)
     files = _read_chunks.LocalFiles(dcp.FileSystemReader(path))
     try:
-        for piece in _read_chunks._pieces(item, dest, dest.dtype, files):
-            dest[piece.lo : piece.hi].copy_(piece.src)
+        _read_chunks._read_one(planner, item, dest.dtype, files)
     finally:
         files.close()
 

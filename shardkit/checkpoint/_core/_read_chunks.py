@@ -121,13 +121,10 @@ def _raw_destination(item: ReadItem, dest: torch.Tensor, dtype: torch.dtype) -> 
     return raw_array(dest)
 
 
-def _place(files, item: ReadItem, offset: int, shape: tuple, take: tuple, out, digest) -> None:
-    """Read a piece of chunk rows (``shape``) from ``offset`` into scratch, hash it in one
-    call, and copy its part ``take`` into ``out`` (strided destination rows) in one more."""
-    buf = _scratch_bytes(math.prod(shape) * out.itemsize).numpy()
-    _read(files, item, offset, memoryview(buf))
-    digest.update(buf)
-    np.copyto(out, buf.view(out.dtype).reshape(shape)[take], casting="no")
+def _place(out: np.ndarray, src: np.ndarray) -> None:
+    """Copy a hashed piece's part into its strided destination rows: one numpy copy, on
+    this thread, without the GIL."""
+    np.copyto(out, src, casting="no")
 
 
 def _read(files: LocalFiles, item: ReadItem, offset: int, view: memoryview) -> None:
@@ -155,7 +152,7 @@ def _pieces(
     files: LocalFiles,
 ) -> Iterator[_Copy]:
     """Read the chunk rows covering ``item.box``, widened to whole checksum blocks, and
-    yield each piece's overlap that was not read in place.
+    yield each piece's overlap that was neither read nor copied into place here.
 
     The consumer copies a yielded piece before asking for the next one: a scratch
     buffer is reused. A block's checksum is checked once its last piece was hashed.
@@ -197,24 +194,17 @@ def _pieces(
                 _read(files, item, chunk.offset + ps * rb, view)
                 digest.update(view)
                 continue
-            if placed is not None and lo < hi:
-                shape, take = (pe - ps, *chunk.box.sizes[1:]), (slice(lo - ps, hi - ps), *inner)
-                _place(
-                    files,
-                    item,
-                    chunk.offset + ps * rb,
-                    shape,
-                    take,
-                    placed[lo - r0 : hi - r0],
-                    digest,
-                )
-                continue
             buf = _scratch_bytes((pe - ps) * rb)
-            _read(files, item, chunk.offset + ps * rb, memoryview(buf.numpy()))
-            digest.update(memoryview(buf.numpy()))
-            if lo < hi:
-                src = buf.view(dtype).reshape((pe - ps, *chunk.box.sizes[1:]))
-                yield _Copy(lo - r0, hi - r0, src[(slice(lo - ps, hi - ps), *inner)])
+            raw = buf.numpy()
+            _read(files, item, chunk.offset + ps * rb, memoryview(raw))
+            digest.update(raw)
+            if lo >= hi:
+                continue
+            shape, take = (pe - ps, *chunk.box.sizes[1:]), (slice(lo - ps, hi - ps), *inner)
+            if placed is not None:
+                _place(placed[lo - r0 : hi - r0], raw.view(placed.dtype).reshape(shape)[take])
+            else:
+                yield _Copy(lo - r0, hi - r0, buf.view(dtype).reshape(shape)[take])
         if digest.hexdigest() != chunk.checksums[b]:
             raise CorruptCheckpointError(
                 f"checksum mismatch in {chunk_label(item.key, chunk)}, rows "
@@ -227,8 +217,8 @@ def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
     return dest.reshape(1) if not item.box.ndim else dest
 
 
-def _read_one(planner, item, dtype, files, dest=None) -> None:
-    dest = _destination(planner, item) if dest is None else dest
+def _read_one(planner, item, dtype, files) -> None:
+    dest = _destination(planner, item)
     with torch.no_grad():
         for piece in _pieces(item, dest, dtype, files):
             copy_into(dest[piece.lo : piece.hi], piece.src)
@@ -265,9 +255,13 @@ def read_items(planner, items: list[ReadItem], dtypes: dict, files: LocalFiles, 
         for item in sorted(items, key=lambda i: (i.chunk.file, i.chunk.offset))
         for part in _split(item, dtypes[item.key])
     ]
+
+    def run(part: ReadItem) -> None:
+        _read_one(planner, part, dtypes[part.key], files)
+
     if pool is None:
         for part in parts:
-            _read_one(planner, part, dtypes[part.key], files)
+            run(part)
         return
-    for fut in [pool.submit(_read_one, planner, p, dtypes[p.key], files) for p in parts]:
+    for fut in [pool.submit(run, part) for part in parts]:
         fut.result()
