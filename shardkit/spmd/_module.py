@@ -7,12 +7,15 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from ._local_tp import apply_local, linear_role
 from ._mesh import Mesh
 from ._placement import Placement
 from ._sharded_tensor import ShardedTensor, mark_sharding
 from .layout import PartitionSpec
 
 __all__ = ["shard_module"]
+
+_ACTIVATIONS = ("sharded", "local")
 
 
 def _match(plan: Mapping[str, PartitionSpec], name: str) -> str | None:
@@ -28,6 +31,7 @@ def shard_module(
     plan: Mapping[str, PartitionSpec],
     *,
     strict: bool = True,
+    activations: str = "sharded",
 ) -> nn.Module:
     """Replace every parameter of ``module`` by a sharded one, in place; returns ``module``.
 
@@ -44,9 +48,29 @@ def shard_module(
     With ``strict`` (the default) a pattern that matches no parameter is a ValueError
     (a typo would otherwise silently leave a layer replicated). Build the optimizer after
     this call: it must see the new parameters.
+
+    ``activations`` picks how the program runs:
+
+    - ``"sharded"`` (default): every parameter, and so every activation, is a
+      ShardedTensor; any op on any layout works, as on one big device.
+    - ``"local"``: Megatron-style tensor parallelism on a 1-D mesh, for ``nn.Linear``
+      layers only. A column-parallel linear (weight spec ``(axis, None)``; its bias is
+      split with it) returns its local output columns as a plain tensor, and a
+      row-parallel linear (``(None, axis)``) takes them and all-reduces its output.
+      Parameters no pattern matches stay plain tensors, so only these layers pay for
+      sharding. Code between the two must work on the local width (HF models reshape
+      with ``-1`` heads, so they do). This is what torch's ``ColwiseParallel`` /
+      ``RowwiseParallel`` do by default. See docs/spmd.md ("Local activations").
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard_module expects an nn.Module, got {type(module).__name__}")
+    if activations not in _ACTIVATIONS:
+        raise ValueError(f"activations must be one of {_ACTIVATIONS}, got {activations!r}")
+    if activations == "local" and mesh.ndim != 1:
+        raise ValueError(
+            f"activations='local' runs tensor parallelism over a 1-D mesh, got mesh shape "
+            f"{mesh.mesh_shape}; use activations='sharded' for a data x model mesh"
+        )
     if not isinstance(plan, Mapping):
         raise TypeError(
             f"plan must map parameter-name patterns to partition specs, got {type(plan).__name__}"
@@ -64,6 +88,7 @@ def shard_module(
                 entries.append((name, owner, leaf))
             params[id(param)] = param
     used: set[str] = set()
+    decided: list[tuple[list, nn.Parameter, PartitionSpec]] = []
     for key, entries in slots.items():
         param = params[key]
         chosen: dict[str, str] = {}
@@ -87,10 +112,7 @@ def shard_module(
                     f"parameter {entries[0][0]!r} is already sharded as {param.partition_spec}; "
                     f"the plan asks for {spec}. Shard a module once"
                 )
-            continue
-        sharded = mark_sharding(param, mesh, spec)
-        for _, owner, leaf in entries:
-            setattr(owner, leaf, sharded)
+        decided.append((entries, param, spec))
     unused = [p for p in plan if p not in used]
     if strict and unused:
         names = [n for entries in slots.values() for n, _, _ in entries]
@@ -98,4 +120,31 @@ def shard_module(
             f"plan patterns {unused} match no parameter of {type(module).__name__}; "
             f"parameter names look like {names[:4]} (or pass strict=False)"
         )
+    if activations == "local":
+        apply_local(module, mesh, _linear_roles(mesh, decided))
+        return module
+    for entries, param, spec in decided:
+        if not isinstance(param, ShardedTensor):
+            sharded = mark_sharding(param, mesh, spec)
+            for _, owner, leaf in entries:
+                setattr(owner, leaf, sharded)
     return module
+
+
+def _linear_roles(mesh: Mesh, decided: list) -> dict[nn.Linear, str]:
+    """The role (column or row parallel) of every linear the plan shards; a ValueError,
+    before anything changed, for a parameter local activations cannot run."""
+    roles: dict[nn.Linear, str] = {}
+    for entries, param, spec in decided:
+        normalized = Placement.from_user(mesh, spec, param.ndim).spec
+        for name, owner, leaf in entries:
+            try:
+                role = linear_role(owner, leaf, normalized)
+            except ValueError as exc:
+                raise ValueError(f"parameter {name!r}: {exc}") from None
+            if role is not None and roles.setdefault(owner, role) != role:
+                raise ValueError(
+                    f"parameter {name!r} makes its layer {role}-parallel, but the layer's "
+                    f"other parameter made it {roles[owner]}-parallel"
+                )
+    return roles

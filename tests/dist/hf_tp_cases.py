@@ -119,24 +119,28 @@ def train_side_by_side(
     *,
     steps: int = 2,
     reseed: bool = False,
+    activations: str = "sharded",
 ):
     """Train ``ref`` and a sharded copy for ``steps`` AdamW steps on ``batch``.
 
     ``batch`` holds full tensors; dim 0 is sharded over ``'data'`` on a 2-D mesh.
     ``reseed`` seeds torch's generator identically before each forward of either model
-    (for dropout: shardkit draws the same masks as one device).
+    (for dropout: shardkit draws the same masks as one device). With
+    ``activations="local"`` the batch goes in as plain tensors (a 1-D mesh only).
     Returns per-step logits / loss errors, the largest gradient and parameter errors,
     collectives and fallbacks per phase (of the last step), and the parameter specs.
     """
     import shardkit.spmd as xs
 
     mesh = _mesh(mesh_shape)
-    model = xs.shard_module(copy.deepcopy(ref), mesh, plan)
+    model = xs.shard_module(copy.deepcopy(ref), mesh, plan, activations=activations)
     batch_spec = D if len(mesh_shape) == 2 else None
     sharded = {
         k: xs.mark_sharding(v, mesh, (batch_spec,) + (None,) * (v.ndim - 1))
         for k, v in batch.items()
     }
+    if activations == "local":
+        sharded = batch
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = {"logits_err": [], "loss_err": [], "grad_err": 0.0}
@@ -161,7 +165,9 @@ def train_side_by_side(
             max(_err(grads[n], p.grad) for n, p in ref.named_parameters()),
         )
         out["grads_placed"] = all(
-            p.grad.placement == p.placement for p in model.parameters() if p.grad is not None
+            p.grad.placement == p.placement
+            for p in model.parameters()
+            if isinstance(p, xs.ShardedTensor) and p.grad is not None
         )
         opt_ref.step()
         with xs.count_collectives() as step:
@@ -180,7 +186,7 @@ def train_side_by_side(
     )
     out["calls"] = {"forward": _calls(fwd), "backward": _calls(bwd), "step": _calls(step)}
     out["fallbacks"] = dict(xs.fallback_counts())
-    out["specs"] = {n: p.partition_spec for n, p in model.named_parameters()}
+    out["specs"] = {n: getattr(p, "partition_spec", None) for n, p in model.named_parameters()}
     out["model"] = model
     return out
 
@@ -197,12 +203,25 @@ def llama_batch(mesh_shape, *, mask: bool, seq: int):
 
 
 def run_llama(
-    mesh_shape, attn: str, mask: bool, use_cache: bool, seq: int = 8, dropout: float = 0.0
+    mesh_shape,
+    attn: str,
+    mask: bool,
+    use_cache: bool,
+    seq: int = 8,
+    dropout: float = 0.0,
+    activations: str = "sharded",
 ) -> dict:
     ref = llama(attn, use_cache=use_cache, dropout=dropout)
     batch = llama_batch(mesh_shape, mask=mask, seq=seq)
-    out = train_side_by_side(ref, LLAMA_PLAN, mesh_shape, batch, reseed=dropout > 0)
-    out.pop("model")
+    out = train_side_by_side(
+        ref, LLAMA_PLAN, mesh_shape, batch, reseed=dropout > 0, activations=activations
+    )
+    import shardkit.spmd as xs
+
+    model = out.pop("model")
+    out["sharded"] = sorted(
+        n for n, p in model.named_parameters() if isinstance(p, xs.ShardedTensor)
+    )
     return out
 
 
@@ -217,10 +236,14 @@ def run_gpt2_tied(mesh_shape, attn: str = "sdpa", dropout: float = 0.0) -> dict:
     return out
 
 
-def run_bert(mesh_shape, attn: str = "sdpa", dropout: float = 0.0) -> dict:
+def run_bert(
+    mesh_shape, attn: str = "sdpa", dropout: float = 0.0, activations: str = "sharded"
+) -> dict:
     ref = bert(attn, dropout=dropout)
     batch = llama_batch(mesh_shape, mask=True, seq=8)
     batch["labels"] = torch.tensor([0, 2])
-    out = train_side_by_side(ref, BERT_PLAN, mesh_shape, batch, reseed=dropout > 0)
+    out = train_side_by_side(
+        ref, BERT_PLAN, mesh_shape, batch, reseed=dropout > 0, activations=activations
+    )
     out.pop("model")
     return out

@@ -54,6 +54,8 @@ DROPOUT = 0.3
 def _one_d():
     out = {name: run_llama((2,), *args) for name, args in LLAMA_1D.items()}
     for attn in ("sdpa", "eager"):
+        out[f"local_{attn}"] = run_llama((2,), attn, True, True, activations="local")
+        out[f"local_bert_{attn}"] = run_bert((2,), attn, activations="local")
         out[f"gpt2_{attn}"] = run_gpt2_tied((2,), attn)
         out[f"bert_{attn}"] = run_bert((2,), attn)
         out[f"llama_{attn}_dropout"] = run_llama((2,), attn, True, True, dropout=DROPOUT)
@@ -160,6 +162,30 @@ def test_bert_tp_zero_fallbacks(one_d, attn):
         "backward": {"all_reduce:model": 2 * NUM_LAYERS},
         "step": {},
     }
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_llama_local_activations_match_with_the_same_collectives(one_d, attn):
+    """``activations="local"``: the same values and the same all-reduces as the sharded
+    program (and as torch's ColwiseParallel / RowwiseParallel plan), with only the seven
+    linears per layer sharded and every other parameter a plain tensor."""
+    r = one_d[f"local_{attn}"]
+    _check_values(r)
+    assert r["fallbacks"] == {}
+    assert r["calls"] == one_d[f"{attn}_mask_cache"]["calls"]
+    assert len(r["sharded"]) == 7 * NUM_LAYERS
+    assert all(n.endswith("_proj.weight") for n in r["sharded"]), r["sharded"]
+    assert r["specs"]["model.layers.1.mlp.down_proj.weight"] == (None, "model")
+    assert r["specs"]["lm_head.weight"] is None  # a plain tensor
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bert_local_activations_split_the_biases(one_d, attn):
+    r = one_d[f"local_bert_{attn}"]
+    _check_values(r)
+    assert r["calls"] == one_d[f"bert_{attn}"]["calls"]
+    assert r["specs"]["bert.encoder.layer.0.attention.self.query.bias"] == ("model",)
+    assert r["specs"]["bert.encoder.layer.0.output.dense.bias"] is None
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2", "bert"])

@@ -62,7 +62,7 @@ def _body(tmp):
                 "emb": torch.zeros(512, 32),
                 "lora_a": torch.zeros(4, 64),
                 "lora_b": torch.zeros(64, 4),
-            }
+            },
         }
         mgr.restore(step, target)
         m = target["model"]
