@@ -5,8 +5,9 @@ on 2 and 4 gloo ranks of this machine, in one run. Then a Hugging Face Llama
 (``LlamaForCausalLM`` from a config, random init, GQA, SDPA, a padding mask) on 2 ranks:
 shardkit's ``shard_module`` with the Megatron plan against DTensor's
 ``parallelize_module`` with torch's Llama-style plan (``PrepareModuleInput`` on attention
-and MLP, q/k/v/gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``): forward,
-backward and an AdamW step; step time, bytes moved, and each side's peak RSS measured
+and MLP, q/k/v/gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``), and the same
+plan with ``activations="local"`` (Megatron-style plain local activations, as DTensor's
+plan has by default): forward, backward and an AdamW step; step time, bytes moved, and each side's peak RSS measured
 in a world of its own (same model, same steps). The two implementations alternate
 rounds (ABBA order) so drift in machine load hits both. Bytes are what one rank hands to collectives
 in one step: for shardkit from ``count_collectives``, for DTensor from a dispatch mode
@@ -16,11 +17,13 @@ Prints a table to stderr and one JSON line (medians and ratios) to stdout.
 
     python benchmarks/bench_spmd.py            # full run
     python benchmarks/bench_spmd.py --quick    # smoke run
+    python benchmarks/bench_spmd.py --llama-only   # only the Llama rows
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -141,13 +144,13 @@ def _llama_batch(cfg):
     return {"input_ids": ids, "attention_mask": mask, "labels": ids}
 
 
-def _shardkit_llama_step_fn(model, batch, world):
+def _shardkit_llama_step_fn(model, batch, world, activations="sharded"):
     import numpy as np
 
     import shardkit.spmd as xs
 
     mesh = xs.Mesh(np.arange(world), (world,), ("model",))
-    xs.shard_module(model, mesh, LLAMA_PLAN)
+    xs.shard_module(model, mesh, LLAMA_PLAN, activations=activations)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step():
@@ -220,12 +223,12 @@ def _warm_up_and_count(steps: dict, warmups: int) -> tuple[dict, dict]:
         for _ in range(warmups):
             loss = step()
             losses[name] = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        if name == "shardkit":
+        if name.startswith("shardkit"):
             xs.reset_fallback_counts()
             with xs.count_collectives() as counts:
                 step()
             comm[name] = (counts.total_calls(), counts.total_bytes(), str(dict(counts.calls)))
-            comm["fallbacks"] = dict(xs.fallback_counts())
+            comm[name.replace("shardkit", "fallbacks")] = dict(xs.fallback_counts())
         else:
             with _CollectiveBytes() as counter:
                 step()
@@ -245,7 +248,11 @@ def _llama_worker(rank, world, cfg, only):
 
     base = _llama(cfg)
     batch = _llama_batch(cfg)
-    makers = {"shardkit": _shardkit_llama_step_fn, "dtensor": _dtensor_llama_step_fn}
+    makers = {
+        "shardkit": _shardkit_llama_step_fn,
+        "shardkit_local": functools.partial(_shardkit_llama_step_fn, activations="local"),
+        "dtensor": _dtensor_llama_step_fn,
+    }
     if only is not None:
         step = makers[only](copy.deepcopy(base), batch, world)
         del base
@@ -287,21 +294,50 @@ def run_llama_steady_heap(world: int, cfg: dict) -> dict:
         result = spawn_ranks(_llama_worker, world, cfg, None, results=1)[0]
     row = _row(world, result)
     keys = ("shardkit_step_ms", "dtensor_step_ms", "step_time_ratio", "cpu_time_ratio")
-    return {k: row[k] for k in keys} | {"minor_faults_per_step": result["faults"]}
+    local = ("local_step_ms", "local_step_time_ratio", "local_cpu_time_ratio")
+    return (
+        {k: row[k] for k in keys}
+        | {k: _local_row(result)[k] for k in local}
+        | {"minor_faults_per_step": result["faults"]}
+    )
 
 
 def run_llama(world: int, cfg: dict) -> dict:
     result = spawn_ranks(_llama_worker, world, cfg, None, results=1)[0]
     rss = {
         name: spawn_ranks(_llama_worker, world, cfg, name, results=1)[0]
-        for name in ("shardkit", "dtensor")
+        for name in ("shardkit", "shardkit_local", "dtensor")
     }
-    return _row(world, result) | {
-        "minor_faults_per_step": result["faults"],
-        "shardkit_fallbacks": result["comm"]["fallbacks"],
-        "shardkit_peak_rss_mb": round(rss["shardkit"], 1),
-        "dtensor_peak_rss_mb": round(rss["dtensor"], 1),
-        "peak_rss_ratio": round(rss["shardkit"] / rss["dtensor"], 3),
+    return (
+        _row(world, result)
+        | _local_row(result)
+        | {
+            "minor_faults_per_step": result["faults"],
+            "shardkit_fallbacks": result["comm"]["fallbacks"],
+            "local_fallbacks": result["comm"]["fallbacks_local"],
+            "shardkit_peak_rss_mb": round(rss["shardkit"], 1),
+            "local_peak_rss_mb": round(rss["shardkit_local"], 1),
+            "dtensor_peak_rss_mb": round(rss["dtensor"], 1),
+            "peak_rss_ratio": round(rss["shardkit"] / rss["dtensor"], 3),
+            "local_peak_rss_ratio": round(rss["shardkit_local"] / rss["dtensor"], 3),
+        }
+    )
+
+
+def _local_row(result: dict) -> dict:
+    """``shard_module(..., activations="local")`` against DTensor, as :func:`_row` does
+    for the sharded program."""
+    lo, dt = (statistics.median(result["times"][k]) for k in ("shardkit_local", "dtensor"))
+    lo_cpu, dt_cpu = (statistics.median(result["cpu"][k]) for k in ("shardkit_local", "dtensor"))
+    lo_bytes, dt_bytes = (result["comm"][k][1] for k in ("shardkit_local", "dtensor"))
+    return {
+        "local_step_ms": round(lo * 1e3, 3),
+        "local_step_time_ratio": round(lo / dt, 3),
+        "local_cpu_time_ratio": round(lo_cpu / dt_cpu, 3),
+        "local_bytes": lo_bytes,
+        "local_bytes_ratio": round(lo_bytes / max(dt_bytes, 1), 3),
+        "local_collectives": result["comm"]["shardkit_local"][0],
+        "local_loss_diff": abs(result["losses"]["shardkit_local"] - result["losses"]["dtensor"]),
     }
 
 
@@ -359,6 +395,7 @@ def run(world: int, cfg: dict) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small model, few repeats")
+    ap.add_argument("--llama-only", action="store_true", help="skip the MLP rows")
     args = ap.parse_args(argv)
     if args.quick:
         cfg = {"dim": 64, "hidden": 256, "batch": 16, "repeats": 3, "inner": 2}
@@ -377,12 +414,15 @@ def main(argv=None) -> None:
         f"{llama_row['dtensor_step_ms']} ms (x{llama_row['step_time_ratio']}), bytes "
         f"{llama_row['shardkit_bytes']} vs {llama_row['dtensor_bytes']}, peak RSS "
         f"{llama_row['shardkit_peak_rss_mb']} vs {llama_row['dtensor_peak_rss_mb']} MB; "
+        f"local activations {llama_row['local_step_ms']} ms "
+        f"(x{llama_row['local_step_time_ratio']}), bytes {llama_row['local_bytes']}, peak RSS "
+        f"{llama_row['local_peak_rss_mb']} MB; "
         f"minor faults per step {llama_row['minor_faults_per_step']}; with a steady heap "
         f"({' '.join(f'{k}={v}' for k, v in STEADY_HEAP_ENV.items())}): "
         f"x{llama_row['steady_heap']['step_time_ratio']}",
         file=sys.stderr,
     )
-    rows = [run(world, cfg) for world in (2, 4)]
+    rows = [] if args.llama_only else [run(world, cfg) for world in (2, 4)]
     for r in rows:
         print(
             f"{r['ranks']} ranks: shardkit {r['shardkit_step_ms']} ms vs DTensor "
