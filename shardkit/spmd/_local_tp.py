@@ -10,8 +10,8 @@ else on plain replicated ones, so no op but these linears goes through the
 
 In backward, the gradient of a column-parallel layer's input is each rank's share of a
 sum: one all-reduce per input makes it whole. Column-parallel layers that read the same
-tensor in one forward of the sharded module (q, k and v; gate and up) share that one
-all-reduce.
+tensor in one forward of the sharded module, or of their parent module (q, k and v in
+attention; gate and up in the MLP), share that one all-reduce.
 """
 
 from __future__ import annotations
@@ -34,25 +34,33 @@ COLUMN, ROW = "column", "row"
 
 @dataclass
 class _Region:
-    """Inputs of column-parallel layers during one forward of the sharded module, so the
-    layers reading one tensor share the backward all-reduce of its gradient."""
+    """Inputs of column-parallel layers during one forward of the sharded module or of a
+    column-parallel layer's parent (the parent's forward runs again, alone, when
+    activation checkpointing recomputes it), so the layers reading one tensor share the
+    backward all-reduce of its gradient."""
 
     mesh: Mesh
-    active: bool = False
+    depth: int = 0
     entered: dict = field(default_factory=dict)
 
     def start(self, *_args, **_kwargs) -> None:
-        self.entered.clear()
-        self.active = True
+        if self.depth == 0:
+            self.entered.clear()
+        self.depth += 1
 
     def stop(self, *_args, **_kwargs) -> None:
-        self.entered.clear()
-        self.active = False
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0:
+            self.entered.clear()
+
+    def watch(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self.start)
+        module.register_forward_hook(self.stop, always_call=True)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and x.requires_grad):
             return x
-        if not self.active:  # a layer called outside the module's forward: no sharing
+        if not self.depth:  # a layer called on its own: nothing to share with
             return _EnterRegion.apply(x, self.mesh)
         key = id(x)
         hit = self.entered.get(key)
@@ -146,16 +154,27 @@ def apply_local(module: nn.Module, mesh: Mesh, roles: dict[nn.Linear, str]) -> N
     region = getattr(module, "_shardkit_local_region", None)
     if region is None:
         region = _Region(mesh)
-        module.register_forward_pre_hook(region.start)
-        module.register_forward_hook(region.stop, always_call=True)
+        region.watch(module)
         module._shardkit_local_region = region
     elif region.mesh != mesh:
         raise ValueError(f"module is already tensor-parallel over {region.mesh}, not {mesh}")
+    parents = {
+        id(child): parent
+        for parent in module.modules()
+        if parent is not module
+        for child in parent.children()
+    }
     axis = mesh.axis_labels[0]
     for linear, role in roles.items():
+        if "forward" in vars(linear):  # sharded before, by an earlier call
+            continue
         specs = {"weight": (axis, None) if role == COLUMN else (None, axis)}
         if role == COLUMN:
             specs["bias"] = (axis,)
+            parent = parents.get(id(linear))
+            if parent is not None and not getattr(parent, "_shardkit_watched", False):
+                region.watch(parent)
+                parent._shardkit_watched = True
         for leaf, spec in specs.items():
             param = getattr(linear, leaf)
             if param is not None and not isinstance(param, ShardedTensor):

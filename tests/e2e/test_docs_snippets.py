@@ -15,6 +15,7 @@ Blocks run two at a time (the suite's budget is two cores); one doc file is one 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -108,19 +109,44 @@ def test_docs_have_runnable_blocks():
     assert sum(1 for path in DOCS for frag, _, _ in snippets(path) if not frag) >= 10
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_examples_import(path):
-    # importing must not start training: examples guard their main with __name__
-    code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('example', {str(path)!r})\n"
-        "module = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(module)\n"
-    )
+_IMPORT_ALL = """
+import contextlib, importlib.util, io, json, sys, traceback
+import torch.distributed as dist
+report = {}
+for path in sys.argv[1:]:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            spec = importlib.util.spec_from_file_location("example", path)
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        error = None
+    except BaseException:
+        error = traceback.format_exc()[-2000:]
+    report[path] = {"printed": out.getvalue(), "joined": dist.is_initialized(), "error": error}
+print(json.dumps(report))
+"""
+
+
+def test_examples_import_without_training():
+    """Importing an example must not start training: each guards its main with
+    ``__name__``, so importing prints nothing and joins no process group. One interpreter
+    imports them all, one after another."""
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env()
+        [sys.executable, "-c", _IMPORT_ALL, *map(str, EXAMPLES)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert sorted(report) == sorted(map(str, EXAMPLES))
+    bad = {
+        Path(p).name: r
+        for p, r in report.items()
+        if r != {"printed": "", "joined": False, "error": None}
+    }
+    assert not bad, bad
 
 
 if __name__ == "__main__":  # python tests/e2e/test_docs_snippets.py [DOC.md ...]: failures only
