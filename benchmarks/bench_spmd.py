@@ -294,10 +294,11 @@ def run_llama_steady_heap(world: int, cfg: dict) -> dict:
         result = spawn_ranks(_llama_worker, world, cfg, None, results=1)[0]
     row = _row(world, result)
     keys = ("shardkit_step_ms", "dtensor_step_ms", "step_time_ratio", "cpu_time_ratio")
-    local = ("local_step_ms", "local_step_time_ratio", "local_cpu_time_ratio")
+    local = _local_row(result)
+    local_keys = ("local_step_ms", "local_step_time_ratio", "local_cpu_time_ratio")
     return (
         {k: row[k] for k in keys}
-        | {k: _local_row(result)[k] for k in local}
+        | {k: local[k] for k in local_keys}
         | {"minor_faults_per_step": result["faults"]}
     )
 
@@ -324,46 +325,54 @@ def run_llama(world: int, cfg: dict) -> dict:
     )
 
 
-def _local_row(result: dict) -> dict:
-    """``shard_module(..., activations="local")`` against DTensor, as :func:`_row` does
-    for the sharded program."""
-    lo, dt = (statistics.median(result["times"][k]) for k in ("shardkit_local", "dtensor"))
-    lo_cpu, dt_cpu = (statistics.median(result["cpu"][k]) for k in ("shardkit_local", "dtensor"))
-    lo_bytes, dt_bytes = (result["comm"][k][1] for k in ("shardkit_local", "dtensor"))
+def _against_dtensor(result: dict, side: str) -> dict:
+    """Medians and ratios of one shardkit side (``"shardkit"`` or ``"shardkit_local"``)
+    against DTensor, from one world's timing and traffic."""
+    t, c = (
+        {n: statistics.median(result[k][n]) for n in (side, "dtensor")} for k in ("times", "cpu")
+    )
+    ours, theirs = result["comm"][side], result["comm"]["dtensor"]
     return {
-        "local_step_ms": round(lo * 1e3, 3),
-        "local_step_time_ratio": round(lo / dt, 3),
-        "local_cpu_time_ratio": round(lo_cpu / dt_cpu, 3),
-        "local_bytes": lo_bytes,
-        "local_bytes_ratio": round(lo_bytes / max(dt_bytes, 1), 3),
-        "local_collectives": result["comm"]["shardkit_local"][0],
-        "local_loss_diff": abs(result["losses"]["shardkit_local"] - result["losses"]["dtensor"]),
+        "step_ms": round(t[side] * 1e3, 3),
+        "dtensor_step_ms": round(t["dtensor"] * 1e3, 3),
+        "step_time_ratio": round(t[side] / t["dtensor"], 3),
+        "cpu_ms": round(c[side] * 1e3, 3),
+        "dtensor_cpu_ms": round(c["dtensor"] * 1e3, 3),
+        "cpu_time_ratio": round(c[side] / c["dtensor"], 3),
+        "bytes": ours[1],
+        "bytes_ratio": round(ours[1] / max(theirs[1], 1), 3),
+        "collectives": ours[0],
+        "loss_diff": abs(result["losses"][side] - result["losses"]["dtensor"]),
     }
+
+
+def _local_row(result: dict) -> dict:
+    """``shard_module(..., activations="local")`` against DTensor, ``local_``-prefixed."""
+    a = _against_dtensor(result, "shardkit_local")
+    keys = ("step_ms", "step_time_ratio", "cpu_time_ratio", "bytes", "bytes_ratio")
+    return {f"local_{k}": a[k] for k in (*keys, "collectives", "loss_diff")}
 
 
 def _row(world: int, result: dict) -> dict:
     """Medians, spreads and ratios of one world's timing and traffic."""
-    sk, dt = (statistics.median(result["times"][k]) for k in ("shardkit", "dtensor"))
-    sk_cpu, dt_cpu = (statistics.median(result["cpu"][k]) for k in ("shardkit", "dtensor"))
+    a = _against_dtensor(result, "shardkit")
     return {
         "ranks": world,
-        "shardkit_step_ms": round(sk * 1e3, 3),
-        "dtensor_step_ms": round(dt * 1e3, 3),
-        "step_time_ratio": round(sk / dt, 3),
+        "shardkit_step_ms": a["step_ms"],
+        "dtensor_step_ms": a["dtensor_step_ms"],
+        "step_time_ratio": a["step_time_ratio"],
         "step_time_spread": {k: spread(v) for k, v in result["times"].items()},
-        "shardkit_cpu_ms": round(sk_cpu * 1e3, 3),
-        "dtensor_cpu_ms": round(dt_cpu * 1e3, 3),
-        "cpu_time_ratio": round(sk_cpu / dt_cpu, 3),
-        "shardkit_bytes": result["comm"]["shardkit"][1],
+        "shardkit_cpu_ms": a["cpu_ms"],
+        "dtensor_cpu_ms": a["dtensor_cpu_ms"],
+        "cpu_time_ratio": a["cpu_time_ratio"],
+        "shardkit_bytes": a["bytes"],
         "dtensor_bytes": result["comm"]["dtensor"][1],
-        "bytes_ratio": round(
-            result["comm"]["shardkit"][1] / max(result["comm"]["dtensor"][1], 1), 3
-        ),
-        "shardkit_collectives": result["comm"]["shardkit"][0],
+        "bytes_ratio": a["bytes_ratio"],
+        "shardkit_collectives": a["collectives"],
         "dtensor_collectives": result["comm"]["dtensor"][0],
         "shardkit_collective_kinds": result["comm"]["shardkit"][2],
         "dtensor_collective_kinds": result["comm"]["dtensor"][2],
-        "loss_diff": abs(result["losses"]["shardkit"] - result["losses"]["dtensor"]),
+        "loss_diff": a["loss_diff"],
     }
 
 

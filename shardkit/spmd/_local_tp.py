@@ -62,12 +62,12 @@ class _Region:
             return x
         if not self.depth:  # a layer called on its own: nothing to share with
             return _EnterRegion.apply(x, self.mesh)
-        key = id(x)
-        hit = self.entered.get(key)
-        if hit is not None and hit[0] is x and hit[1] == x._version:
+        # keyed by id: the entry holds ``x``, so no other tensor takes its id meanwhile
+        hit = self.entered.get(id(x))
+        if hit is not None and hit[1] == x._version:
             return hit[2]
         entered = _EnterRegion.apply(x, self.mesh)
-        self.entered[key] = (x, x._version, entered)
+        self.entered[id(x)] = (x, x._version, entered)
         return entered
 
 

@@ -88,7 +88,8 @@ def shard_module(
                 entries.append((name, owner, leaf))
             params[id(param)] = param
     used: set[str] = set()
-    decided: list[tuple[list, nn.Parameter, PartitionSpec]] = []
+    # per parameter: its slots, the parameter, the plan's spec and its normalized form
+    decided: list[tuple[list, nn.Parameter, PartitionSpec, tuple]] = []
     for key, entries in slots.items():
         param = params[key]
         chosen: dict[str, str] = {}
@@ -105,14 +106,14 @@ def shard_module(
             )
         used.update(chosen.values())
         spec = plan[next(iter(chosen.values()))] if chosen else (None,) * param.ndim
+        normalized = Placement.from_user(mesh, spec, param.ndim).spec
         if isinstance(param, ShardedTensor):
-            want = Placement.from_user(mesh, spec, param.ndim)
-            if param.placement.spec != want.spec or param.mesh != mesh:
+            if param.placement.spec != normalized or param.mesh != mesh:
                 raise ValueError(
                     f"parameter {entries[0][0]!r} is already sharded as {param.partition_spec}; "
                     f"the plan asks for {spec}. Shard a module once"
                 )
-        decided.append((entries, param, spec))
+        decided.append((entries, param, spec, normalized))
     unused = [p for p in plan if p not in used]
     if strict and unused:
         names = [n for entries in slots.values() for n, _, _ in entries]
@@ -121,9 +122,9 @@ def shard_module(
             f"parameter names look like {names[:4]} (or pass strict=False)"
         )
     if activations == "local":
-        apply_local(module, mesh, _linear_roles(mesh, decided))
+        apply_local(module, mesh, _linear_roles(decided))
         return module
-    for entries, param, spec in decided:
+    for entries, param, spec, _ in decided:
         if not isinstance(param, ShardedTensor):
             sharded = mark_sharding(param, mesh, spec)
             for _, owner, leaf in entries:
@@ -131,12 +132,11 @@ def shard_module(
     return module
 
 
-def _linear_roles(mesh: Mesh, decided: list) -> dict[nn.Linear, str]:
+def _linear_roles(decided: list) -> dict[nn.Linear, str]:
     """The role (column or row parallel) of every linear the plan shards; a ValueError,
     before anything changed, for a parameter local activations cannot run."""
     roles: dict[nn.Linear, str] = {}
-    for entries, param, spec in decided:
-        normalized = Placement.from_user(mesh, spec, param.ndim).spec
+    for entries, _, _, normalized in decided:
         for name, owner, leaf in entries:
             try:
                 role = linear_role(owner, leaf, normalized)
