@@ -264,6 +264,31 @@ def test_peer_ring_and_cleanup(tmp_path):
         assert left == []
 
 
+def _recycling(root):
+    """Steps 0, 1, 2 on 2 ranks with max_to_keep=2: step 2's own copy and the replica
+    received for it take over the files of step 0's (same inodes), and load exactly."""
+    src = 1 - _rank()
+    with _mgr(root) as mgr:
+        inodes = []
+        for s in range(3):
+            mgr.save_async(s, _state(s))
+            mgr.join()
+            _barrier()  # the peer's replica is in place too
+            own, held = _copy(root, "local", _rank(), s), _copy(root, "replica", src, s)
+            inodes.append((os.stat(_data_file(own)).st_ino, os.stat(_data_file(held)).st_ino))
+        left = sorted(os.listdir(os.path.join(_node(root), "replica", f"rank_{src:05d}")))
+        state = _empty()
+        mgr.restore(2, state)
+        return inodes, left, mgr.last_restore.tier, _exact(state, 2)
+
+
+def test_copies_and_replicas_reuse_the_oldest_files(tmp_path):
+    for inodes, left, tier, exact in run_ranks(_recycling, 2, str(tmp_path), timeout=60):
+        assert inodes[2] == inodes[0] and inodes[1] != inodes[0]
+        assert left == ["step_00000001", "step_00000002"]
+        assert (tier, exact) == ("local", True)
+
+
 def _bounded(root):
     from shardkit.checkpoint import CheckpointManager, LocalTier
 

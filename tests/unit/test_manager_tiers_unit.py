@@ -147,12 +147,59 @@ def test_plan_reads_a_replica_it_sees_itself():
 # -- copies on disk -----------------------------------------------------------------------
 
 
-def _write(store, step, state):
+def _write(store, step, state, keep=1):
     from shardkit.checkpoint._core._flatten import flatten
     from shardkit.checkpoint._manager._local import localized, shard_layout
 
     flat = flatten(state, for_save=True)
-    return store.write_own(step, localized(flat), shard_layout(flat))
+    return store.write_own(step, localized(flat), shard_layout(flat), keep=keep)
+
+
+def _read_back(store, path, like):
+    from shardkit.checkpoint._core._flatten import flatten
+    from shardkit.checkpoint._manager._local import shard_layout
+    from shardkit.checkpoint._manager._tiers import layout_fingerprint
+
+    target = {k: torch.zeros_like(v) for k, v in like.items()}
+    flat = flatten(target, for_save=False)
+    store.load_copy(path, flat, layout_fingerprint(shard_layout(flat)))
+    return target
+
+
+def _data_inodes(path):
+    return sorted(os.stat(os.path.join(path, n)).st_ino for n in os.listdir(path) if "data-" in n)
+
+
+def test_oldest_copy_is_recycled_in_place(tmp_path):
+    """With keep >= 2 copies, a new copy takes over the files of the oldest (which
+    retention would delete next), overwriting them in place: a RAM disk reuses the
+    pages. Files the new copy does not need are removed; the copy loads exactly."""
+    store = LocalStore(str(tmp_path / "ram"), "file:///run/a", 0, 1)
+    big = {"w": torch.arange(4096.0), "b": torch.ones(3)}
+    one = _write(store, 1, big, keep=2)
+    _write(store, 2, {k: v + 1 for k, v in big.items()}, keep=2)
+    old = _data_inodes(one)
+    with open(os.path.join(one, "data-stale-00000-009.safetensors"), "wb") as f:
+        f.write(b"left by an older save")  # a spare no new file takes
+    small = {"w": torch.arange(100.0) * 3, "b": torch.full((3,), 7.0)}
+    three = _write(store, 3, small, keep=2)
+    assert store.steps("local", 0) == [2, 3] and not os.path.exists(one)
+    assert _data_inodes(three) == old  # the same file, its pages reused
+    md = json.loads(open(os.path.join(three, "metadata.json")).read())
+    names = {n for n in os.listdir(three) if n not in ("metadata.json", "tier.json")}
+    assert names == set(md["files"])  # the stale spare is gone
+    for name, size in md["files"].items():  # shrunk to what was written
+        assert os.path.getsize(os.path.join(three, name)) == size
+    back = _read_back(store, three, small)
+    assert all(torch.equal(back[k], small[k]) for k in small)
+    assert sorted(s[1] for s in store.scan()) == [2, 3]
+    # keep=1: the only copy stays whole until the new one is in place
+    store.retain("local", 0, 1)
+    tmp, spares = store.recycle("local", 0, 4, 1)
+    assert spares == [] and os.listdir(tmp) == [] and store.steps("local", 0) == [3]
+    os.rmdir(tmp)
+    four = _write(store, 4, small, keep=1)
+    assert _data_inodes(four) != _data_inodes(three)
 
 
 def test_foreign_and_torn_copies_are_ignored(tmp_path, caplog):
@@ -270,9 +317,16 @@ def test_max_bytes_names_sizes_and_option(tmp_path):
         str(tmp_path / "p"), 10, chkpt_on_preemption=False,
         local_tier=LocalTier(directory=tmp_path / "ram", max_bytes=1000),
     ) as mgr:  # fmt: skip
-        assert mgr.save(1, {"x": torch.ones(10)})  # 3 x 40 bytes fit
-        with pytest.raises(ValueError, match=r"needs up to 1200 bytes.*max_bytes=1000"):
-            mgr.save(2, {"x": torch.ones(100)})
+        assert mgr.save(1, {"x": torch.ones(10)})  # 2 x 40 bytes fit
+        # max_to_keep=2: a save reuses the oldest copy's files, so 2 copies at most
+        with pytest.raises(ValueError, match=r"needs up to 1200 bytes.*2 steps \(max_to_keep\)"):
+            mgr.save(2, {"x": torch.ones(150)})
+    with CheckpointManager(
+        str(tmp_path / "q"), 10, chkpt_on_preemption=False,
+        local_tier=LocalTier(directory=tmp_path / "ram", max_bytes=1000, max_to_keep=1),
+    ) as mgr:  # fmt: skip
+        with pytest.raises(ValueError, match=r"needs up to 1200 bytes.*being written"):
+            mgr.save(2, {"x": torch.ones(150)})  # the copy stays whole while the next is written
 
 
 # -- zero-stall staging --------------------------------------------------------------------

@@ -291,21 +291,31 @@ def _write_remote(fs, path: str, parts: Iterable) -> None:
     f.close()
 
 
-def _write_local(path: str, parts: Iterable, *, exclusive: bool, sync: bool) -> None:
+def _write_local(
+    path: str, parts: Iterable, *, exclusive: bool, sync: bool, in_place: bool = False
+) -> None:
     """Write ``parts`` to a local file in bounded ``write()`` calls, fsynced if ``sync``.
 
-    ``exclusive`` refuses an existing file (a fresh temporary); otherwise it is truncated.
-    Never follows a symlink planted at ``path``.
+    ``exclusive`` refuses an existing file (a fresh temporary); otherwise it is truncated,
+    or with ``in_place`` overwritten and cut to the bytes written (a RAM disk then reuses
+    the file's pages instead of allocating new ones). Never follows a symlink planted
+    at ``path``.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else os.O_TRUNC)
+    trunc = 0 if in_place else os.O_TRUNC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if exclusive else trunc)
     fd = os.open(path, flags, 0o644)
     try:
+        written = 0
         for part in parts:
             view = _as_bytes(part)
             for start in range(0, len(view), _WRITE_CHUNK):
                 piece = view[start : start + _WRITE_CHUNK]
                 while piece:
-                    piece = piece[os.write(fd, piece) :]
+                    n = os.write(fd, piece)
+                    written += n
+                    piece = piece[n:]
+        if in_place:
+            os.ftruncate(fd, written)
         if sync:
             os.fsync(fd)
     finally:

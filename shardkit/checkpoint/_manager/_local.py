@@ -16,11 +16,13 @@ sizes, headers) and ``tier.json``, and loading verifies every checksum.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 from typing import Any
 
@@ -29,11 +31,12 @@ import torch
 from .._core._comm import Comm
 from .._core._errors import CheckpointError
 from .._core._flatten import Flat
+from .._core._format import METADATA_FILE
 from .._core._load import _metadata as read_core_metadata
 from .._core._load import is_committed, load_with_metadata
 from .._core._planner import DefaultLoadPlanner, DefaultSavePlanner
 from .._core._save import live_data, max_file_bytes, prepare, write_and_commit
-from .._core._storage import FileSystemReader, FileSystemWriter
+from .._core._storage import FileSystemReader, FileSystemWriter, _write_local
 from ._tiers import layout_fingerprint
 
 __all__ = ["LocalStore", "shard_layout"]
@@ -82,6 +85,56 @@ def _size_of(path: str) -> int:
     return total
 
 
+def spare_files(path: str) -> list[str]:
+    """The regular files of a recycled copy, by name (their pages get reused)."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return []
+    paths = (os.path.join(path, n) for n in names)
+    return [p for p in paths if not os.path.islink(p) and os.path.isfile(p)]
+
+
+def take_spare(spares: list[str], path: str) -> None:
+    """Rename a spare file of a recycled copy to ``path`` (if any is left)."""
+    while spares and not os.path.lexists(path):
+        try:
+            os.rename(spares.pop(0), path)
+        except OSError:
+            continue
+
+
+def drop_spares(spares: list[str]) -> None:
+    """Delete the spare files no new file took."""
+    while spares:
+        try:
+            os.unlink(spares.pop())
+        except OSError:
+            pass
+
+
+class _RecyclingWriter(FileSystemWriter):
+    """Writes a copy into a recycled directory: each new file takes over an old file and
+    is overwritten in place, so a RAM disk reuses its pages instead of allocating (and
+    zeroing) new ones; old files left over are removed before the commit."""
+
+    def __init__(self, path: str, spares: list[str]) -> None:
+        super().__init__(path)
+        self._spares = spares
+        self._lock = threading.Lock()
+
+    def write_file(self, name: str, parts) -> None:
+        path = self.join(name)
+        with self._lock:
+            take_spare(self._spares, path)
+        _write_local(path, parts, exclusive=False, sync=self.sync_files, in_place=True)
+
+    def commit(self, metadata: bytes) -> None:
+        with self._lock:
+            drop_spares(self._spares)
+        super().commit(metadata)
+
+
 class LocalStore:
     """The copies under one tier directory, seen from one rank."""
 
@@ -105,6 +158,36 @@ class LocalStore:
         os.makedirs(path, mode=0o700)
         return path
 
+    def recycle(self, kind: str, src: int, step: int, keep: int) -> tuple[str, list[str]]:
+        """A temporary directory for a new copy of ``step``, and spare files to reuse.
+
+        When ``keep`` (>= 2) older copies of this run exist, retention would delete the
+        oldest right after this write: it is renamed to the temporary name instead (so it
+        is never listed again) and its files become the spares whose pages the new copy
+        reuses. The tier then holds ``keep - 1`` complete copies plus the one being
+        written, never ``keep + 1``. With ``keep == 1`` nothing is recycled: the one
+        copy stays complete until the new one is.
+        """
+        os.makedirs(self.kind_dir(kind, src), mode=0o700, exist_ok=True)
+        if keep >= 2:
+            old = [
+                s
+                for s in self.steps(kind, src)
+                if s < step and self._ours(self.copy_path(kind, src, s))
+            ]
+            if len(old) >= keep:
+                tmp = f"{self.copy_path(kind, src, step)}.tmp-{uuid.uuid4().hex[:12]}"
+                try:
+                    os.rename(self.copy_path(kind, src, old[0]), tmp)
+                except OSError:
+                    pass
+                else:
+                    for name in (METADATA_FILE, MANIFEST):
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(tmp, name))
+                    return tmp, spare_files(tmp)
+        return self.new_tmp(kind, src, step), []
+
     def publish(self, tmp: str, kind: str, src: int, step: int) -> str:
         """Move a complete copy into place (replacing an older copy of the same step)."""
         final = self.copy_path(kind, src, step)
@@ -126,12 +209,12 @@ class LocalStore:
             "layout": layout,
         }
 
-    def write_own(self, step: int, state: dict[str, Any], layout: dict) -> str:
-        """Save this rank's ``state`` (a one-level dict) as its copy of ``step``."""
-        os.makedirs(self.kind_dir("local", self.rank), mode=0o700, exist_ok=True)
-        tmp = self.new_tmp("local", self.rank, step)
+    def write_own(self, step: int, state: dict[str, Any], layout: dict, *, keep: int = 1) -> str:
+        """Save this rank's ``state`` (a one-level dict) as its copy of ``step``, reusing
+        the oldest copy's files when ``keep`` copies exist (see :meth:`recycle`)."""
+        tmp, spares = self.recycle("local", self.rank, step, keep)
         try:
-            writer = FileSystemWriter(tmp)
+            writer = _RecyclingWriter(tmp, spares) if spares else FileSystemWriter(tmp)
             comm = Comm(None, local=True)
             planner = DefaultSavePlanner()
             job = prepare(state, planner, comm, 1, max_file_bytes(writer))

@@ -170,14 +170,17 @@ class TierEngine:
         cap = self.options.max_bytes
         if cap is None:
             return
-        copies = self.options.max_to_keep + 1  # a save holds one step more until retention
+        keep = self.options.max_to_keep
+        # a save writes into the oldest copy's files (see LocalStore.recycle), except with
+        # max_to_keep=1, where the one copy stays whole until the new one is in place
+        copies = keep if keep >= 2 else 2
         per_step = hi * (2 if self._peer_group is not None else 1)
         need = copies * per_step
         if need > cap:
+            why = "max_to_keep" if keep >= 2 else "max_to_keep=1 + the one being written"
             raise ValueError(
                 f"the local checkpoint tier needs up to {need} bytes per rank at step {step} "
-                f"({copies} steps (max_to_keep={self.options.max_to_keep} + the one being "
-                f"written) x {per_step} bytes (largest shard {hi}"
+                f"({copies} steps ({why}) x {per_step} bytes (largest shard {hi}"
                 f"{' + its peer replica' if self._peer_group is not None else ''})), more than "
                 f"LocalTier(max_bytes={cap}); raise max_bytes, lower max_to_keep, or pass "
                 "peer=False"
@@ -222,7 +225,8 @@ class TierEngine:
                 finally:
                     staging.finish()
             self._drop_newer(step - 1)
-            path = self.store.write_own(step, localized(flat, tensors), layout)
+            keep = self.options.max_to_keep
+            path = self.store.write_own(step, localized(flat, tensors), layout, keep=keep)
             self.store.retain("local", self.rank, self.options.max_to_keep)
         except BaseException as exc:
             error = exc
@@ -231,7 +235,7 @@ class TierEngine:
                 got = exchange(
                     self._peer_group, step=step, send_to=self.peer, send_path=path,
                     recv_from=self.source, store=self.store, recv_kind="replica",
-                    recv_src=self.source, cap=hi + _SLACK,
+                    recv_src=self.source, cap=hi + _SLACK, keep=self.options.max_to_keep,
                 )  # fmt: skip
                 if got is None:
                     log.warning(
