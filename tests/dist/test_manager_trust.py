@@ -230,14 +230,14 @@ def _enospc(tmp, real_disk):
     def du() -> int:
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp) for f in fs)
 
-    def quota_write(p, parts, *, exclusive, sync):
+    def quota_write(p, parts, *, exclusive, sync, **kw):
         def limited():
             for part in parts:
                 if quota["bytes"] is not None and du() + len(part) > quota["bytes"]:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), p)
                 yield part
 
-        real_write(p, limited(), exclusive=exclusive, sync=sync)
+        real_write(p, limited(), exclusive=exclusive, sync=sync, **kw)
 
     if not real_disk:  # a fault-injecting disk: a byte quota over everything under tmp
         _storage._write_local = quota_write

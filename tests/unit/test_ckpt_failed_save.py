@@ -26,7 +26,7 @@ def disk_full_after(monkeypatch):
     limit = [None]
     real = _storage._write_local
 
-    def write(path, parts, *, exclusive, sync):
+    def write(path, parts, *, exclusive, sync, **kw):
         def limited():
             written = 0
             for part in parts:
@@ -35,7 +35,7 @@ def disk_full_after(monkeypatch):
                 written += len(part)
                 yield part
 
-        real(path, limited(), exclusive=exclusive, sync=sync)
+        real(path, limited(), exclusive=exclusive, sync=sync, **kw)
 
     monkeypatch.setattr(_storage, "_write_local", write)
     return limit
@@ -62,11 +62,11 @@ def test_failed_metadata_commit_leaves_no_temporary(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt")
     real = _storage._write_local
 
-    def write(p, parts, *, exclusive, sync):
+    def write(p, parts, *, exclusive, sync, **kw):
         if ".tmp-" in p:
-            real(p, [b"{partial"], exclusive=exclusive, sync=sync)
+            real(p, [b"{partial"], exclusive=exclusive, sync=sync, **kw)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), p)
-        real(p, parts, exclusive=exclusive, sync=sync)
+        real(p, parts, exclusive=exclusive, sync=sync, **kw)
 
     monkeypatch.setattr(_storage, "_write_local", write)
     with pytest.raises(OSError, match="No space left"):

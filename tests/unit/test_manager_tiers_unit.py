@@ -3,6 +3,7 @@ step agreement, source plans, foreign and torn copies, cleanup rules, memory rep
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -193,6 +194,27 @@ def test_oldest_copy_is_recycled_in_place(tmp_path):
     back = _read_back(store, three, small)
     assert all(torch.equal(back[k], small[k]) for k in small)
     assert sorted(s[1] for s in store.scan()) == [2, 3]
+    # a recycled write that fails part-way (a full RAM disk) leaves nothing half-written
+    # and the newer copy whole
+    from shardkit.checkpoint._core import _storage
+
+    real = _storage._write_local
+
+    def full(path, parts, **kw):
+        assert kw.get("in_place")  # the recycled files are written in place
+        real(path, [b"partial"], **kw)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    _storage._write_local = full
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            _write(store, 5, small, keep=2)
+    finally:
+        _storage._write_local = real
+    assert store.steps("local", 0) == [3]
+    assert not [n for n in os.listdir(store.kind_dir("local", 0)) if ".tmp-" in n]
+    back = _read_back(store, three, small)
+    assert all(torch.equal(back[k], small[k]) for k in small)
     # keep=1: the only copy stays whole until the new one is in place
     store.retain("local", 0, 1)
     tmp, spares = store.recycle("local", 0, 4, 1)

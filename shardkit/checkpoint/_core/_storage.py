@@ -205,6 +205,7 @@ class FileSystemWriter(_FileSystem):
         self.max_file_bytes = max_file_bytes
         self.sync_files = bool(sync_files)
         self._made = False
+        self._in_place = False  # overwrite existing files instead of truncating them
 
     def _makedirs(self) -> None:
         if not self._made:
@@ -219,7 +220,9 @@ class FileSystemWriter(_FileSystem):
         if not self.local:
             _write_remote(self.fs, self.join(name), parts)
             return
-        _write_local(self.join(name), parts, exclusive=False, sync=self.sync_files)
+        _write_local(
+            self.join(name), parts, exclusive=False, sync=self.sync_files, in_place=self._in_place
+        )
 
     def commit(self, metadata: bytes) -> None:
         self._makedirs()

@@ -36,7 +36,7 @@ from .._core._load import _metadata as read_core_metadata
 from .._core._load import is_committed, load_with_metadata
 from .._core._planner import DefaultLoadPlanner, DefaultSavePlanner
 from .._core._save import live_data, max_file_bytes, prepare, write_and_commit
-from .._core._storage import FileSystemReader, FileSystemWriter, _write_local
+from .._core._storage import FileSystemReader, FileSystemWriter
 from ._tiers import layout_fingerprint
 
 __all__ = ["LocalStore", "shard_layout"]
@@ -120,14 +120,14 @@ class _RecyclingWriter(FileSystemWriter):
 
     def __init__(self, path: str, spares: list[str]) -> None:
         super().__init__(path)
+        self._in_place = True
         self._spares = spares
         self._lock = threading.Lock()
 
     def write_file(self, name: str, parts) -> None:
-        path = self.join(name)
         with self._lock:
-            take_spare(self._spares, path)
-        _write_local(path, parts, exclusive=False, sync=self.sync_files, in_place=True)
+            take_spare(self._spares, self.join(name))
+        super().write_file(name, parts)
 
     def commit(self, metadata: bytes) -> None:
         with self._lock:
