@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -182,10 +183,16 @@ def test_oldest_copy_is_recycled_in_place(tmp_path):
     old = _data_inodes(one)
     with open(os.path.join(one, "data-stale-00000-009.safetensors"), "wb") as f:
         f.write(b"left by an older save")  # a spare no new file takes
+    linked = os.path.join(one, "data-linked-00000-000.safetensors")
+    os.link(os.path.join(one, "tier.json"), str(tmp_path / "elsewhere"))
+    os.rename(os.path.join(one, "tier.json"), linked)  # never overwritten through a link
+    shutil.copy(str(tmp_path / "elsewhere"), os.path.join(one, "tier.json"))
+    before = open(str(tmp_path / "elsewhere"), "rb").read()
     small = {"w": torch.arange(100.0) * 3, "b": torch.full((3,), 7.0)}
     three = _write(store, 3, small, keep=2)
     assert store.steps("local", 0) == [2, 3] and not os.path.exists(one)
     assert _data_inodes(three) == old  # the same file, its pages reused
+    assert open(str(tmp_path / "elsewhere"), "rb").read() == before
     md = json.loads(open(os.path.join(three, "metadata.json")).read())
     names = {n for n in os.listdir(three) if n not in ("metadata.json", "tier.json")}
     assert names == set(md["files"])  # the stale spare is gone

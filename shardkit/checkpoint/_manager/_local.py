@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import uuid
 from typing import Any
@@ -86,13 +87,27 @@ def _size_of(path: str) -> int:
 
 
 def spare_files(path: str) -> list[str]:
-    """The regular files of a recycled copy, by name (their pages get reused)."""
+    """The regular files of a recycled copy, by name (their pages get reused); anything
+    else in it is removed now. A file with another hard link is removed too, not reused:
+    overwriting it would change the other name's bytes."""
     try:
         names = sorted(os.listdir(path))
     except OSError:
         return []
-    paths = (os.path.join(path, n) for n in names)
-    return [p for p in paths if not os.path.islink(p) and os.path.isfile(p)]
+    out = []
+    for name in names:
+        p = os.path.join(path, name)
+        try:
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                out.append(p)
+            elif stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(p)
+            else:
+                os.unlink(p)
+        except OSError:
+            continue
+    return out
 
 
 def take_spare(spares: list[str], path: str) -> None:
