@@ -349,8 +349,9 @@ def _against_dtensor(result: dict, side: str) -> dict:
 def _local_row(result: dict) -> dict:
     """``shard_module(..., activations="local")`` against DTensor, ``local_``-prefixed."""
     a = _against_dtensor(result, "shardkit_local")
-    keys = ("step_ms", "step_time_ratio", "cpu_time_ratio", "bytes", "bytes_ratio")
-    return {f"local_{k}": a[k] for k in (*keys, "collectives", "loss_diff")}
+    keys = ("step_ms", "step_time_ratio", "cpu_time_ratio", "bytes", "bytes_ratio",
+            "collectives", "loss_diff")  # fmt: skip
+    return {f"local_{k}": a[k] for k in keys}
 
 
 def _row(world: int, result: dict) -> dict:

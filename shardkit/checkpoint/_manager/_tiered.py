@@ -173,7 +173,7 @@ class TierEngine:
         keep = self.options.max_to_keep
         # a save writes into the oldest copy's files (see LocalStore.recycle), except with
         # max_to_keep=1, where the one copy stays whole until the new one is in place
-        copies = keep if keep >= 2 else 2
+        copies = max(keep, 2)
         per_step = hi * (2 if self._peer_group is not None else 1)
         need = copies * per_step
         if need > cap:
@@ -217,7 +217,7 @@ class TierEngine:
         return out
 
     def _background(self, step, flat, tensors, snapshot, staging, layout, hi) -> None:
-        path, error = None, None
+        path, error, keep = None, None, self.options.max_to_keep
         try:
             if staging is not None:
                 try:
@@ -225,9 +225,8 @@ class TierEngine:
                 finally:
                     staging.finish()
             self._drop_newer(step - 1)
-            keep = self.options.max_to_keep
             path = self.store.write_own(step, localized(flat, tensors), layout, keep=keep)
-            self.store.retain("local", self.rank, self.options.max_to_keep)
+            self.store.retain("local", self.rank, keep)
         except BaseException as exc:
             error = exc
         if self._peer_group is not None:  # always take part, so the peers stay in step
@@ -235,14 +234,14 @@ class TierEngine:
                 got = exchange(
                     self._peer_group, step=step, send_to=self.peer, send_path=path,
                     recv_from=self.source, store=self.store, recv_kind="replica",
-                    recv_src=self.source, cap=hi + _SLACK, keep=self.options.max_to_keep,
+                    recv_src=self.source, cap=hi + _SLACK, keep=keep,
                 )  # fmt: skip
                 if got is None:
                     log.warning(
                         "local checkpoint tier: rank %d sent no replica for step %d",
                         self.source, step,
                     )  # fmt: skip
-                self.store.retain("replica", self.source, self.options.max_to_keep)
+                self.store.retain("replica", self.source, keep)
             except BaseException as exc:
                 error = error or exc
         self._track()
