@@ -341,6 +341,31 @@ def test_default_directory_in_dev_shm(tmp_path):
             shutil.rmtree(d, ignore_errors=True)
 
 
+def test_a_job_removing_the_shared_parent_does_not_break_a_starting_one(tmp_path, monkeypatch):
+    """Jobs share ``shardkit-<uid>`` and remove it once empty on clean exit. If that
+    happens between creating it and creating a new job's directory inside it, the new
+    job creates both again; only removals that never stop fail, with the OS error."""
+    parent = tmp_path / "shardkit-uid"
+    root = parent / "job"
+    real_mkdir = os.mkdir
+    races = {"left": 1}
+
+    def mkdir_with_a_closing_job(path, mode=0o777, **kw):
+        if os.fspath(path) == str(root) and races["left"] > 0:
+            races["left"] -= 1
+            os.rmdir(parent)  # another job's prune_empty(parent=True), empty parent
+        return real_mkdir(path, mode, **kw)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_with_a_closing_job)
+    LocalStore(str(root), "url", 0, 1)
+    assert root.is_dir() and races["left"] == 0
+    shutil.rmtree(parent)
+    races["left"] = 10**6
+    with pytest.raises(FileNotFoundError):
+        LocalStore(str(root), "url", 0, 1)
+    assert races["left"] == 10**6 - 16  # it gave up after its attempts
+
+
 def test_max_bytes_names_sizes_and_option(tmp_path):
     with CheckpointManager(
         str(tmp_path / "p"), 10, chkpt_on_preemption=False,

@@ -150,6 +150,24 @@ class _RecyclingWriter(FileSystemWriter):
         super().commit(metadata)
 
 
+def make_shared_dirs(path: str, *, attempts: int = 16) -> None:
+    """``os.makedirs(path, exist_ok=True)`` where other jobs may remove empty ancestors.
+
+    Every manager with a default directory shares ``/dev/shm/shardkit-<uid>`` and
+    removes it on clean exit once empty. A job closing while another starts can remove
+    it between ``makedirs`` creating it and creating ``path`` inside it (then
+    FileNotFoundError); once ``path`` exists its ancestors are no longer empty, so
+    creating again succeeds. Only a run of such removals exhausts ``attempts``.
+    """
+    for _ in range(attempts - 1):
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            return
+        except FileNotFoundError:
+            continue
+    os.makedirs(path, mode=0o700, exist_ok=True)
+
+
 class LocalStore:
     """The copies under one tier directory, seen from one rank."""
 
@@ -159,7 +177,7 @@ class LocalStore:
         self.rank = rank
         self.world_size = world_size
         self._reported: set[str] = set()
-        os.makedirs(root, mode=0o700, exist_ok=True)
+        make_shared_dirs(root)
 
     # -- paths ----------------------------------------------------------------------------
     def kind_dir(self, kind: str, src: int) -> str:
