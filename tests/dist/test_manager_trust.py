@@ -201,6 +201,11 @@ def _mismatched_steps(tmp):
             out[what] = ("returned", mgr.save(*args[:1], _state(5), *args[1:]))
         except ValueError as exc:
             out[what] = ("raised", str(exc))
+    try:  # a loss that is NaN on one rank only
+        mgr.save(3, _state(3), metrics={"loss": float("nan") if rank == 1 else 0.5})
+        out["metrics"] = ("returned",)
+    except ValueError as exc:
+        out["metrics"] = ("raised", str(exc))
     out["steps"] = mgr.all_steps()
     out["then"] = mgr.save(4, _state(4)) and mgr.all_steps()
     mgr.close()
@@ -208,9 +213,13 @@ def _mismatched_steps(tmp):
 
 
 def test_ranks_passing_different_steps_raise_on_every_rank(tmp_path):
-    for r in run_ranks(_mismatched_steps, 2, str(tmp_path)):
+    got = run_ranks(_mismatched_steps, 2, str(tmp_path))
+    assert "another rank passed invalid metrics" in got[0]["metrics"][1]
+    assert "metrics" in got[1]["metrics"][1] and "nan" in got[1]["metrics"][1].lower()
+    for r in got:
         assert r["step"][0] == "raised" and "steps from 3 to 4" in r["step"][1], r["step"]
         assert r["force"][0] == "raised" and "force" in r["force"][1], r["force"]
+        assert r["metrics"][0] == "raised", r["metrics"]
         assert r["steps"] == []
         assert r["then"] == [4]
 

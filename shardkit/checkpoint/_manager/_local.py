@@ -7,16 +7,17 @@ Layout under the tier's directory (shared by the ranks of a machine)::
 
 Each copy is an ordinary shardkit checkpoint of one rank's pieces, saved as a world of
 one (keys are the state dict's dotted keys, each tensor its local piece), plus
-``tier.json``: the manager's URL, the world size, the source rank and step, and the
-shard's layout (global shape, dtype and box of every piece) with its fingerprint. A
-copy is written into ``step_XXXXXXXX.tmp-<id>`` and renamed into place once complete,
-so a torn write is never listed; listing checks the core's commit (metadata, file
+``tier.json``: the run's name (``StepStore.identity``), the world size, the source rank
+and step, and the shard's layout (global shape, dtype and box of every piece) with its
+fingerprint. A copy is written into ``step_XXXXXXXX.tmp-<run tag>-<id>`` and renamed
+into place once complete, so a torn write is never listed; listing checks the core's commit (metadata, file
 sizes, headers) and ``tier.json``, and loading verifies every checksum.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -177,6 +178,8 @@ class LocalStore:
         self.rank = rank
         self.world_size = world_size
         self._reported: set[str] = set()
+        # Temporaries carry the run's tag: runs sharing a directory sweep only their own.
+        self._tmp_tag = f".tmp-{hashlib.sha256(url.encode()).hexdigest()[:8]}-"
         make_shared_dirs(root)
 
     # -- paths ----------------------------------------------------------------------------
@@ -186,8 +189,11 @@ class LocalStore:
     def copy_path(self, kind: str, src: int, step: int) -> str:
         return os.path.join(self.kind_dir(kind, src), f"step_{step:08d}")
 
+    def _tmp_name(self, kind: str, src: int, step: int) -> str:
+        return f"{self.copy_path(kind, src, step)}{self._tmp_tag}{uuid.uuid4().hex[:12]}"
+
     def new_tmp(self, kind: str, src: int, step: int) -> str:
-        path = f"{self.copy_path(kind, src, step)}.tmp-{uuid.uuid4().hex[:12]}"
+        path = self._tmp_name(kind, src, step)
         os.makedirs(path, mode=0o700)
         return path
 
@@ -209,7 +215,7 @@ class LocalStore:
                 if s < step and self._ours(self.copy_path(kind, src, s))
             ]
             if len(old) >= keep:
-                tmp = f"{self.copy_path(kind, src, step)}.tmp-{uuid.uuid4().hex[:12]}"
+                tmp = self._tmp_name(kind, src, step)
                 try:
                     os.rename(self.copy_path(kind, src, old[0]), tmp)
                 except OSError:
@@ -225,6 +231,13 @@ class LocalStore:
         """Move a complete copy into place (replacing an older copy of the same step)."""
         final = self.copy_path(kind, src, step)
         if os.path.lexists(final):
+            if not self._ours(final):
+                self._remove(tmp)
+                raise CheckpointError(
+                    f"{final} holds another run's copy of step {step} "
+                    f"({self.read_manifest(final).get('path')!r}, not {self.url!r}); "
+                    "give each run its own LocalTier(directory=...)"
+                )
             self._remove(final)
         os.rename(tmp, final)
         return final
@@ -400,8 +413,8 @@ class LocalStore:
         )
         for _, name in steps[:-keep] if keep else steps:
             self._remove(os.path.join(d, name))
-        for name in names:  # only this rank writes here: a leftover temporary is stale
-            if ".tmp-" in name:
+        for name in names:  # only this rank of this run writes these: stale leftovers
+            if self._tmp_tag in name:
                 self._remove(os.path.join(d, name))
 
     def remove(self, kind: str, src: int) -> None:
@@ -413,7 +426,7 @@ class LocalStore:
             return
         for name in names:
             path = os.path.join(d, name)
-            if ".tmp-" in name or (_STEP.match(name) and self._ours(path)):
+            if self._tmp_tag in name or (_STEP.match(name) and self._ours(path)):
                 self._remove(path)
         try:
             os.rmdir(d)

@@ -22,14 +22,14 @@ import torch.distributed as dist
 
 from ... import runtime
 from .._core._errors import CheckpointError
+from ._background import BackgroundMethods
 from ._checks import check_metrics as _check_metrics
 from ._checks import nonneg_int as _nonneg_int
 from ._comm import broadcast_json, flags_and_ranges
 from ._lease import Lease
 from ._preemption import PreemptionWatcher
-from ._refs import referenced_files
 from ._retention import AnyPreservationPolicy as _Any
-from ._retention import LatestN, PreservationPolicy, steps_to_delete
+from ._retention import LatestN, PreservationPolicy
 from ._storage import StepStore
 from ._tiered import TierEngine, TierMethods
 from ._tiers import LocalTier
@@ -39,7 +39,7 @@ __all__ = ["CheckpointManager"]
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager(TierMethods):
+class CheckpointManager(BackgroundMethods, TierMethods):
     """Saves a checkpoint every ``save_interval`` steps under ``path`` and prunes old ones.
 
     Args:
@@ -340,7 +340,14 @@ class CheckpointManager(TierMethods):
         step = self._check_step(step)
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        metrics = _check_metrics(metrics)
+        # Metrics are often rank-local (a loss that is NaN on one rank): their check is
+        # agreed, so every rank raises at this call instead of one leaving the others
+        # in a collective.
+        bad_metrics = None
+        try:
+            metrics = _check_metrics(metrics)
+        except (TypeError, ValueError) as exc:
+            bad_metrics = exc
         # One collective per call: did any rank get the signal, or see a failed save?
         # A failure is raised on every rank at the same call, after all ranks waited
         # for their in-flight saves (the core fails a save on every rank alike).
@@ -350,12 +357,21 @@ class CheckpointManager(TierMethods):
         tiers = self._tiers
         tier_bytes = tiers.prepare(step, state_dict) if tiers is not None else 0
         tier_failed = tiers is not None and tiers.has_error()
-        (signalled, failed, tier_failed), ((lo, hi), (f_lo, f_hi), tier_range) = flags_and_ranges(
-            [signalled, failed, tier_failed],
+        flags, ranges = flags_and_ranges(
+            [signalled, failed, tier_failed, bad_metrics is not None],
             [step, int(bool(force)), tier_bytes],
             self._ctrl,
             len(self._ranks),
         )
+        signalled, failed, tier_failed, any_bad = flags
+        (lo, hi), (f_lo, f_hi), tier_range = ranges
+        if any_bad:
+            if bad_metrics is not None:
+                raise bad_metrics
+            raise ValueError(
+                f"another rank passed invalid metrics to save() of step {step} under "
+                f"{self.path} (see its error); nothing saved"
+            )
         if lo != hi or f_lo != f_hi:
             what = f"steps from {lo} to {hi}" if lo != hi else "different force= values"
             raise ValueError(
@@ -366,6 +382,8 @@ class CheckpointManager(TierMethods):
             self._wait_in_flight(0)
         if tier_failed:
             tiers.raise_agreed_error()
+        if tiers is not None and tier_range[0] >= 0 and tiers.due(step):
+            self._become_writer()  # a RAM copy is a save: one writer per run
         local_saved = tiers is not None and tiers.save(step, *tier_range)
         preempted = signalled and self._preemption_step is None
         if preempted:
@@ -398,9 +416,13 @@ class CheckpointManager(TierMethods):
             future = None if blocking else io.save_step_async(self, step, state_dict, base)
             if blocking:
                 io.save_step(self, step, state_dict, base)
-        except Exception as exc:
-            self._last_step = previous
+        except BaseException as exc:
+            self._last_step = previous  # not saved: the step can be saved again
             self._unpin(base)
+            if not isinstance(exc, Exception):
+                # Ctrl-C, SystemExit: no collective clean-up (the other ranks may not have
+                # been interrupted); saving the step again removes what it left.
+                raise
             if blocking:  # every rank failed alike (the core agrees on errors): clean up
                 self._coordinated("cleaning up", lambda: self._remove_failed(step))
             raise CheckpointError(f"save of step {step} to {self.path} failed: {exc}") from exc
@@ -410,131 +432,29 @@ class CheckpointManager(TierMethods):
         else:
             handled = threading.Event()
             self._in_flight.append((step, future, handled))
-            future.add_done_callback(
-                lambda f, s=step, m=metrics, h=handled, b=base: self._on_async_done(s, m, f, h, b)
-            )
+            # The core keeps its last future alive after it is done, and a future keeps
+            # its callbacks: the callback lets go of the manager once it has run, so a
+            # manager dropped without close() is still collected (lease, signal handler).
+            holder = [self]
+
+            def done(f, s=step, m=metrics, h=handled, b=base) -> None:
+                holder.pop()._on_async_done(s, m, f, h, b)
+
+            future.add_done_callback(done)
         return True
-
-    def _pin_base(self) -> int | None:
-        """The base of an incremental save: the newest step the coordinator saw commit.
-
-        It is pinned (kept by retention) until the save that references it finishes, and
-        broadcast so every rank references the same step.
-        """
-
-        def choose() -> int | None:
-            with self._lock:
-                base = self._last_committed
-                if base is not None:
-                    self._pins[base] = self._pins.get(base, 0) + 1
-            return base
-
-        return self._coordinated("choosing the base of an incremental save", choose)
-
-    def _unpin(self, base: int | None) -> None:
-        if base is None or not self._is_coordinator:
-            return
-        with self._lock:
-            left = self._pins.get(base, 0) - 1
-            if left > 0:
-                self._pins[base] = left
-            else:
-                self._pins.pop(base, None)
-
-    def _on_async_done(self, step: int, metrics, future: Future, handled, base=None) -> None:
-        self._unpin(base)
-        try:
-            exc = future.exception()
-            if exc is None:
-                self._on_committed(step, metrics)
-                return
-            self._remove_failed(step)
-            err = CheckpointError(f"background save of step {step} to {self.path} failed: {exc}")
-            err.__cause__ = exc
-            with self._lock:
-                self._errors.append(err)
-        finally:
-            handled.set()
-
-    def _on_committed(self, step: int, metrics) -> None:
-        if not self._is_coordinator:
-            return
-        with self._lock:
-            self._last_committed = max(step, self._last_committed or 0)
-            self._metrics[step] = metrics
-            try:
-                self._retention_futures.append(self._retention.submit(self._retain))
-            except RuntimeError:  # interpreter exiting: the next writer's pass will do it
-                log.debug("retention pass after step %d skipped: shutting down", step)
-
-    def _retain(self) -> None:
-        """One retention pass over storage (coordinator, retention thread); never raises.
-
-        A failure is logged and retried by the next pass: raising on the coordinator
-        alone would desynchronise the ranks.
-        """
-        if self.preservation_policy is None:
-            return
-        try:
-            self._retain_pass()
-        except Exception as exc:
-            log.warning("retention pass under %s failed: %s", self.path, exc)
-
-    def _retain_pass(self) -> None:
-        self._lease.renew(force=False)  # a writer that lost its lease deletes nothing
-        committed = self._store.committed_steps()
-        with self._lock:
-            known = {s: self._metrics[s] for s in committed if s in self._metrics}
-        for s in committed:
-            if s not in known:
-                known[s] = self._store.read_metrics(s)
-        with self._lock:
-            pinned = set(self._pins)  # bases of saves in flight
-        doomed = [s for s in steps_to_delete(self.preservation_policy, known) if s not in pinned]
-        # files of deleted steps that kept steps still reference stay (see _refs.py)
-        referenced = referenced_files(
-            self._store, [s for s in committed if s not in doomed], self._links
-        )
-        for s in doomed:
-            try:
-                self._store.delete(s, referenced)
-            except Exception as exc:  # retried by the next pass; training goes on
-                log.warning("could not delete step %d under %s: %s", s, self.path, exc)
-                continue
-            with self._lock:
-                self._metrics.pop(s, None)
-        if committed:  # shared files that no kept step references any more
-            self._store.remove_incomplete(referenced, below=committed[-1])
-
-    # -- waiting ------------------------------------------------------------------------
-    def _wait_in_flight(self, keep: int) -> None:
-        while len(self._in_flight) > keep:
-            _, future, handled = self._in_flight.popleft()
-            try:
-                future.result()
-            except BaseException:
-                pass  # recorded by the done callback; raised below
-            handled.wait()
-        self._raise_errors()
-
-    def _wait_retention(self) -> None:
-        with self._lock:
-            pending, self._retention_futures = self._retention_futures, []
-        for future in pending:
-            future.result()
-
-    def _raise_errors(self) -> None:
-        with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
 
     def join(self) -> None:
         """Wait for every in-flight save and retention pass; raise the first failure."""
-        if self._tiers is not None:
-            self._tiers.join()
-        self._wait_in_flight(0)
-        self._wait_retention()
+        # Whatever fails, every save and retention pass is waited for: close() frees the
+        # lease right after, and nothing may still write under it then.
+        try:
+            if self._tiers is not None:
+                self._tiers.join()
+        finally:
+            try:
+                self._wait_in_flight(0)
+            finally:
+                self._wait_retention()
         self._raise_errors()
 
     # -- restoring ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ one rank makes every rank checkpoint the same step.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import warnings
@@ -24,6 +25,24 @@ def _handler(signum, frame):  # runs in the main thread between bytecodes
     entry = _installed.get(signum)
     if entry is not None:
         entry[0].set()
+
+
+def _reset_in_child() -> None:
+    """A forked child (a DataLoader worker, a helper process) is not the training
+    process: give the signals their previous handlers back, so SIGTERM stops it again."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    for signum, entry in list(_installed.items()):
+        previous = entry[1] if entry[1] is not None else signal.SIG_DFL
+        try:
+            signal.signal(signum, previous)
+        except (ValueError, OSError):
+            pass
+    _installed.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
 
 
 class PreemptionWatcher:

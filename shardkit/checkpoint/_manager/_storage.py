@@ -53,6 +53,12 @@ class StepStore:
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.root = self.root.rstrip("/") or self.root
         self.local = isinstance(self.fs, LocalFileSystem)
+        # The run's name however its URL was spelled ("ckpt" from some directory,
+        # "file:///abs/ckpt", a symlinked parent): the RAM tier keys its copies by it, so
+        # two runs never take each other's copies and one run always finds its own.
+        self.identity = (
+            os.path.realpath(self.root) if self.local else self.fs.unstrip_protocol(self.root)
+        )
         self._warned: set[tuple[int, str]] = set()
 
     def _warn_once(self, step: int, why: str) -> None:

@@ -78,8 +78,9 @@ class TierEngine:
         self.world = len(mgr._ranks)
         self.rank = mgr._rank
         self._default_dir = options.directory is None
-        root = default_directory(mgr.path) if self._default_dir else os.fspath(options.directory)
-        self.store = LocalStore(os.path.abspath(root), mgr.path, self.rank, self.world)
+        run = mgr._store.identity
+        root = default_directory(run) if self._default_dir else os.fspath(options.directory)
+        self.store = LocalStore(os.path.abspath(root), run, self.rank, self.world)
         lws = _local_world_size(self.world)
         use_peer = options.peer and self.world > 1
         self.peer = peer_of(self.rank, self.world, lws) if use_peer else None
@@ -99,6 +100,7 @@ class TierEngine:
         self._pending_error: BaseException | None = None
         self._peak = 0
         self.last_restore: RestoreInfo | None = None
+        self._wrote = False  # saved a copy (see _may_remove)
 
     # -- saving ---------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -157,6 +159,7 @@ class TierEngine:
             staging = Staging()
             staging.start()
         self.last_step = step
+        self._wrote = True
         self._job = self._pool.submit(
             self._background, step, flat, tensors, snapshot, staging, layout, hi
         )
@@ -355,7 +358,8 @@ class TierEngine:
                 elif self.rank == 0:
                     log.info("restored step %d; tier by rank: %s", step, tiers)
                 self.last_step = step
-                self._drop_newer(step)
+                if self._may_remove():  # else the first save drops them (_background)
+                    self._drop_newer(step)
                 return
             for r, msg in bad.items():
                 if plan[r][0] == "persistent":
@@ -425,13 +429,26 @@ class TierEngine:
         return None
 
     # -- lifecycle --------------------------------------------------------------------------
+    def _may_remove(self) -> bool:
+        """Whether this manager may delete copies of its run: it saved some, or no live
+        writer holds the run's lease. A restarted job that only restored cleans up on a
+        clean exit; a manager opened beside a running trainer (an evaluator) never
+        deletes the trainer's copies."""
+        if self._wrote or self.mgr._writing:
+            return True
+        try:
+            lease = self.mgr._lease.read()
+        except Exception:  # unreadable: keep the copies
+            return False
+        return lease is None or not self.mgr._lease.is_live(lease)
+
     def close(self, *, remove: bool) -> None:
         try:
             self._wait_job()
         finally:
             self._pool.shutdown(wait=True)
             self._staged.clear()
-            if remove:
+            if remove and self._may_remove():
                 self.store.remove("local", self.rank)
                 if self.source is not None:
                     self.store.remove("replica", self.source)
