@@ -6,7 +6,7 @@ local piece with its :class:`Box` in the global index space.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -140,7 +140,7 @@ def _has_tensor(value: Any) -> bool:
 
 
 def flatten(
-    state_dict: dict, *, for_save: bool, saved_parents: Collection[str] = frozenset()
+    state_dict: dict, *, for_save: bool, saved_parents: Container[str] = frozenset()
 ) -> Flat:
     """Flatten ``state_dict`` into dotted keys.
 

@@ -5,6 +5,7 @@ See docs/checkpoint-format.md for the specification this module implements.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import math
@@ -168,6 +169,25 @@ def decode_value(value: Any) -> Any:
 
 
 # -- metadata -----------------------------------------------------------------------------
+class DottedParents:
+    """``prefix in parents``: whether a key starts with ``prefix + "."``.
+
+    A binary search over the sorted keys, not a set of every prefix: one key of m
+    dotted parts has m prefixes of up to its whole length, so a set would take memory
+    quadratic in the key (a hostile metadata file of 1 MB would ask for hundreds of GB).
+    """
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self._keys = sorted(keys)
+
+    def __contains__(self, prefix: object) -> bool:
+        if not isinstance(prefix, str):
+            return False
+        start = prefix + "."
+        i = bisect.bisect_left(self._keys, start)
+        return i < len(self._keys) and self._keys[i].startswith(start)
+
+
 @dataclass(frozen=True)
 class ChunkMeta:
     """One stored piece of a tensor: its box and where its bytes are."""
@@ -261,16 +281,12 @@ class Metadata:
         return sorted([*self.tensors, *self.values, *self.objects])
 
     @functools.cached_property
-    def key_parents(self) -> frozenset[str]:
-        """Every proper dotted prefix of the saved keys ("a.b.c" gives "a" and "a.b").
+    def key_parents(self) -> DottedParents:
+        """The proper dotted prefixes of the saved keys ("a.b.c" has "a" and "a.b").
 
         Computed once per metadata: streaming loads reuse it for every step.
         """
-        parents = set()
-        for key in self.keys():
-            parts = key.split(".")
-            parents.update(".".join(parts[:i]) for i in range(1, len(parts)))
-        return frozenset(parents)
+        return DottedParents(self.keys())
 
     def to_json(self) -> bytes:
         """The metadata file's bytes."""

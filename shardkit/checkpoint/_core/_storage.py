@@ -6,11 +6,13 @@ them, so a user-written store gets integrity checks for free.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import stat
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -23,6 +25,29 @@ from ._format import METADATA_FILE
 _WRITE_CHUNK = 1 << 20
 #: Default cap on the tensor bytes of one data file (Hugging Face shards at 5 GB).
 DEFAULT_MAX_FILE_BYTES = 4 << 30
+
+
+def read_small_file(path: str, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes of the local regular file ``path`` (more than ``limit``
+    means it is too large). Never through a symlink and never blocking: a FIFO, device
+    or directory planted under the name raises OSError at once instead of hanging."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """``json.loads`` whose every failure, nesting too deep included, is a ValueError."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
 
 __all__ = ["StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader"]
 

@@ -168,13 +168,29 @@ def _label(key: str, c: Any) -> str:
     return f"key {key!r} chunk offsets={list(c.box.offsets)} sizes={list(c.box.sizes)}"
 
 
+# Box pairs the overlap sweep may compare per tensor (seconds of work). Real layouts, grids
+# of shards along one or two dims, need about chunks x sqrt(chunks): 2 million for 16,384
+# chunks of one tensor. Only a crafted layout (staircases) comes near.
+MAX_OVERLAP_PAIRS = 5_000_000
+
+
 def _check_overlaps(source: str, key: str, ndim: int, boxes: list) -> None:
     """No two of ``boxes`` (``(offsets, ends)``, non-empty) share an element."""
     # sweep along the dim the chunks split most: compare only chunks overlapping along it
     d = max(range(ndim), key=lambda i: len({b[0][i] for b in boxes})) if ndim else 0
     boxes.sort(key=lambda b: b[0][d] if ndim else 0)
     active: list = []
+    budget = MAX_OVERLAP_PAIRS
     for lo, hi in boxes:
+        budget -= len(active)
+        if budget < 0:
+            _fail(
+                source,
+                f"key {key!r}",
+                f"checking its {len(boxes)} chunks for overlaps takes more than "
+                f"{MAX_OVERLAP_PAIRS} comparisons (no saved layout does): a crafted or "
+                "corrupt metadata file",
+            )
         if ndim:
             active = [b for b in active if b[1][d] > lo[d]]
         for olo, ohi in active:
@@ -248,15 +264,18 @@ def validate(md: Metadata, source: str) -> None:
             if not all(_HEX16.fullmatch(h) for h in c.checksums):
                 _fail(source, _label(key, c), "a checksum is not 16 lowercase hex digits")
             ranges[c.file].append((c.offset, c.nbytes, (c.name, t.dtype, sizes, c.nbytes)))
-        if len(boxes) > 1:
-            _check_overlaps(source, key, ndim, boxes)
+        # The count first: it is linear, and in-bounds chunks that cover exactly the
+        # tensor's element count tile it unless two overlap (then some element is missing).
         if total != math.prod(shape):
             _fail(
                 source,
                 f"key {key!r}",
                 f"its chunks cover {total} of its {math.prod(shape)} elements (shape "
-                f"{list(shape)}): a chunk is missing",
+                f"{list(shape)}): "
+                + ("a chunk is missing" if total < math.prod(shape) else "chunks overlap"),
             )
+        if len(boxes) > 1:
+            _check_overlaps(source, key, ndim, boxes)
     object_files = set()
     for key, o in md.objects.items():
         check_name(o.file, f"{source}: object {key!r}: file")

@@ -28,6 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ... import runtime
 from .._core._errors import CheckpointError
+from .._core._storage import parse_json, read_small_file
 
 __all__ = ["LEASE_FILE", "Lease", "LeaseHeldError", "LeaseLostError"]
 
@@ -90,12 +91,8 @@ class Lease:
     def read(self) -> dict | None:
         """The current lease, or None when there is none (an unreadable one: stale)."""
         try:
-            if self.local:
-                fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-                try:
-                    raw = os.read(fd, _MAX_LEASE_BYTES + 1)
-                finally:
-                    os.close(fd)
+            if self.local:  # never through a symlink; a planted FIFO does not block
+                raw = read_small_file(self.path, _MAX_LEASE_BYTES)
             else:
                 self.fs.invalidate_cache(self.root)
                 raw = self.fs.cat_file(self.path)
@@ -104,7 +101,7 @@ class Lease:
         except OSError as exc:  # e.g. a symlink planted as the lease: ELOOP
             raise CheckpointError(f"cannot read the lease {self.path}: {exc}") from None
         try:
-            doc = json.loads(raw[:_MAX_LEASE_BYTES])
+            doc = parse_json(raw[:_MAX_LEASE_BYTES])
         except ValueError:
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("owner"), str):

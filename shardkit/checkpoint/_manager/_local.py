@@ -38,7 +38,7 @@ from .._core._load import _metadata as read_core_metadata
 from .._core._load import is_committed, load_with_metadata
 from .._core._planner import DefaultLoadPlanner, DefaultSavePlanner
 from .._core._save import live_data, max_file_bytes, prepare, write_and_commit
-from .._core._storage import FileSystemReader, FileSystemWriter
+from .._core._storage import FileSystemReader, FileSystemWriter, parse_json, read_small_file
 from ._tiers import layout_fingerprint
 
 __all__ = ["LocalStore", "shard_layout"]
@@ -280,13 +280,10 @@ class LocalStore:
 
     def read_manifest(self, path: str) -> dict | None:
         try:
-            p = os.path.join(path, MANIFEST)
-            if os.path.islink(p) or os.path.getsize(p) > _MANIFEST_MAX:
-                return None
-            with open(p) as f:
-                m = json.load(f)
+            raw = read_small_file(os.path.join(path, MANIFEST), _MANIFEST_MAX)
+            m = parse_json(raw) if len(raw) <= _MANIFEST_MAX else None
             return m if isinstance(m, dict) else None
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # a FIFO or a symlink planted, deep nesting: torn
             return None
 
     def check_copy(self, path: str, src: int, step: int) -> dict | None:

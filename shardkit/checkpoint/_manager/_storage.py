@@ -28,6 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .._core._errors import CheckpointError
 from .._core._format import METADATA_FILE
+from .._core._storage import parse_json, read_small_file
 
 __all__ = ["StepStore"]
 
@@ -296,15 +297,11 @@ class StepStore:
         """The metrics saved with ``step``, or None when it has no (readable) record."""
         name = f"{self._step_path(step)}/{MANAGER_FILE}"
         try:
-            if self.local:
-                fd = os.open(name, os.O_RDONLY | _NOFOLLOW)
-                try:
-                    raw = os.read(fd, _MAX_METRICS_BYTES)
-                finally:
-                    os.close(fd)
+            if self.local:  # never a planted symlink, and a FIFO does not block
+                raw = read_small_file(name, _MAX_METRICS_BYTES)[:_MAX_METRICS_BYTES]
             else:
                 raw = self.fs.cat_file(name)[:_MAX_METRICS_BYTES]
-            record = json.loads(raw)
+            record = parse_json(raw)
         except (OSError, ValueError):
             return None
         metrics = record.get("metrics") if isinstance(record, dict) else None
