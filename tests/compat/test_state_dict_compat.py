@@ -410,3 +410,28 @@ def _fsdp2_meta_full_body():
 
 def test_fsdp2_meta_model_is_materialised_from_a_full_state_dict_as_torch():
     assert run_ranks(_fsdp2_meta_full_body, 2, timeout=60) == [True, True]
+
+
+def test_missing_optimizer_state_raises_as_torch_and_changes_nothing():
+    """Saved state lacking a parameter that requires grad: strict raises a RuntimeError
+    (torch's class) and leaves the optimizer as it was; strict=False drops that state."""
+
+    def run(m, **kw):
+        model, optim = _trained(seed=1)
+        osd = m.get_optimizer_state_dict(model, optim)
+        name = sorted(osd["state"])[0]
+        del osd["state"][name]
+        before = copy.deepcopy(optim.state_dict())
+        try:
+            m.set_optimizer_state_dict(model, optim, osd, options=_opts(m, **kw))
+            raised = None
+        except RuntimeError as exc:
+            raised = str(exc)
+        return name, raised, before, optim.state_dict()
+
+    for name, raised, before, after in _both(run):  # torch's, then ours
+        assert raised is not None and name in raised, raised
+        _equal(after, before)
+    theirs, ours = _both(lambda m: run(m, strict=False))
+    assert theirs[1] is ours[1] is None
+    _equal(ours[3], theirs[3])

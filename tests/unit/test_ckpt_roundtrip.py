@@ -424,3 +424,25 @@ def _save_halves(box):
         Box(box.offsets, (half, *box.sizes[1:])),
         Box((box.offsets[0] + half, *box.offsets[1:]), (box.sizes[0] - half, *box.sizes[1:])),
     ]
+
+
+@pytest.mark.parametrize("entry", ["tuple", "tensor_saved", "pickled"])
+def test_a_refused_entry_leaves_the_state_dict_untouched(tmp_path, entry):
+    """Entries that cannot take what was saved are found before any byte is read."""
+    saved = {"w": torch.ones(4), "pair": [torch.ones(2), 6], "t": torch.ones(1), "o": {1, 2}}
+    dcp.save(saved, checkpoint_id=tmp_path, planner=dcp.DefaultSavePlanner(allow_pickle=True))
+    target = {"w": torch.zeros(4), "pair": [torch.zeros(2), 0], "t": torch.zeros(1), "o": None}
+    if entry != "pickled":
+        del target["o"]  # a checkpoint's extra key is not loaded
+    if entry == "tuple":
+        target["pair"] = (torch.zeros(2), 0)
+        words = r"'pair.1' sits in a tuple"
+    elif entry == "tensor_saved":
+        target["t"] = 0
+        words = r"'t' is a non-tensor value in the state dict but a tensor"
+    else:
+        words = r"'o' was saved with pickle"
+    with pytest.raises((TypeError, dcp.CheckpointError), match=words):
+        dcp.load(target, checkpoint_id=tmp_path)
+    assert torch.equal(target["w"], torch.zeros(4))
+    assert torch.equal(target["pair"][0], torch.zeros(2))

@@ -113,29 +113,37 @@ def _load_object(reader: StorageReader, key: str, metadata: Metadata) -> Any:
     return pickle.loads(bytes(buf))
 
 
-def _apply_values(
-    reader: StorageReader, flat: Flat, metadata: Metadata, planner: LoadPlanner
-) -> None:
+def _check_value_slots(flat: Flat, metadata: Metadata, planner: LoadPlanner) -> None:
+    """Before anything is read: every non-tensor entry can take what the checkpoint holds
+    for it, so a refused load changes nothing of the state dict."""
     for key, slot in flat.slots.items():
-        if key in metadata.values:
-            value = metadata.values[key]
-        elif key in metadata.objects:
-            if not planner.allow_pickle:
-                raise CheckpointError(
-                    f"key {key!r} was saved with pickle; loading it would run code from the "
-                    "checkpoint. Only if you trust it: planner=DefaultLoadPlanner(allow_pickle=True)"
-                )
-            value = _load_object(reader, key, metadata)
-        elif key in metadata.tensors:
+        saved = key in metadata.values or key in metadata.objects
+        if key in metadata.objects and key not in metadata.values and not planner.allow_pickle:
+            raise CheckpointError(
+                f"key {key!r} was saved with pickle; loading it would run code from the "
+                "checkpoint. Only if you trust it: planner=DefaultLoadPlanner(allow_pickle=True)"
+            )
+        if not saved and key in metadata.tensors:
             raise TypeError(
                 f"key {key!r} is a non-tensor value in the state dict but a tensor in the "
                 "checkpoint; put a tensor of the right shape there to load it"
             )
-        else:
-            continue  # missing: reported by the planner
-        if isinstance(slot.container, tuple):
-            raise TypeError(f"key {key!r} sits in a tuple, which cannot be updated in place")
-        slot.container[slot.index] = value
+        if saved and isinstance(slot.container, tuple):
+            raise TypeError(
+                f"key {key!r} sits in a tuple, which cannot be updated in place; use a list"
+            )
+
+
+def _apply_values(
+    reader: StorageReader, flat: Flat, metadata: Metadata, planner: LoadPlanner
+) -> None:
+    """Set the non-tensor entries (checked by ``_check_value_slots``)."""
+    for key, slot in flat.slots.items():
+        if key in metadata.values:
+            slot.container[slot.index] = metadata.values[key]
+        elif key in metadata.objects:
+            slot.container[slot.index] = _load_object(reader, key, metadata)
+        # missing: reported by the planner
 
 
 def load(
@@ -203,6 +211,7 @@ def load_with_metadata(
     why = {}
     for item in plan.items:
         why.setdefault(item.chunk.file, chunk_label(item.key, item.chunk))
+    _check_value_slots(flat, metadata, planner)
     wanted_objects = [k for k in flat.slots if k in metadata.objects]
     for key in wanted_objects:
         why.setdefault(metadata.objects[key].file, f"key {key!r}")

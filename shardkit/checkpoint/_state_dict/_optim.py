@@ -12,6 +12,7 @@ from torch import nn
 from ... import runtime
 from ...spmd import ShardedTensor
 from .._core._errors import StateDictMismatchError
+from .._core._planner import on_rank
 from ._broadcast import broadcast_items, world_of_many
 from ._fqn import param_fqns, strip_wrappers, under
 from ._model import submodule_prefixes
@@ -213,8 +214,25 @@ def set_optimizer_state_dict(
     layouts = _layouts(owners, fqns)
     if opts.broadcast_from_rank0 and world_of_many():
         optim_state_dict = _broadcast_optim(optim_state_dict, optims, fqns, layouts)
+    # torch checks only FQN-keyed state, and none at all when it is empty (no key then
+    # is a str: its check is skipped as for a raw id-keyed Optimizer.state_dict())
+    saved_by_fqn = any(isinstance(k, str) for k in _state_keys(optim_state_dict))
     optim_state_dict = _fqn_keyed(optim_state_dict, optims, fqns)
     saved_state, saved_groups = optim_state_dict["state"], optim_state_dict["param_groups"]
+    if opts.strict and saved_by_fqn:  # as torch, and before any optimizer changes
+        missing = [
+            fqns[id(p)]
+            for optim in optims
+            for p in _params(optim)
+            if p.requires_grad and fqns[id(p)] not in saved_state
+        ]
+        if missing:
+            raise StateDictMismatchError(
+                f"{on_rank()}set_optimizer_state_dict: no saved optimizer state for "
+                f"parameter(s) {missing}, which require gradients; the optimizers are "
+                "unchanged. Pass StateDictOptions(strict=False) to load the rest (their "
+                "state is then dropped, as torch does)"
+            )
     empty_saved = [g for g in saved_groups if not g.get("params")]
     used: set[str] = set()
     for n, optim in enumerate(optims):
@@ -245,6 +263,17 @@ def set_optimizer_state_dict(
             "optimizers; skipped",
             stacklevel=2,
         )
+
+
+def _state_keys(osd: Any) -> list:
+    """The parameter keys of a nested or flattened optimizer state dict (ints for a raw
+    ``Optimizer.state_dict()``); none for anything else (``_fqn_keyed`` refuses it)."""
+    if not isinstance(osd, Mapping):
+        return []
+    state = osd.get("state")
+    if isinstance(state, Mapping):
+        return list(state)
+    return [k for k in osd if isinstance(k, str) and k.startswith(_FLAT)]
 
 
 def _fqn_keyed(osd: Any, optims: list, fqns: dict[int, str]) -> dict[str, Any]:
