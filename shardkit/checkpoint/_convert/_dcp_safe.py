@@ -10,7 +10,12 @@ not torch's default ``weights_only=False``.
 
 Every data file the metadata names must be a plain file name of a regular file inside the
 directory (no symlink, FIFO, device, ``..`` or absolute path), and each tensor's declared
-size must be backed by the bytes of those files before anything is allocated.
+size must be backed by the bytes of those files before anything is allocated. Every field
+the import uses must have the type torch writes (string keys, ``TensorProperties`` with a
+torch dtype, sizes and offsets of non-negative integers that fit torch's 64-bit sizes), and
+each tensor's chunks must tile it exactly (in bounds, no gaps, no overlaps), each non-empty
+chunk with an entry in ``storage_data``: else torch would leave part of the tensor
+unwritten and the import would store whatever memory held.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from typing import Any
 
 import torch
 
+from ...spmd.layout import Box
 from .._core._errors import CorruptCheckpointError
-from .._core._validate import MAX_METADATA_BYTES, check_name
+from .._core._validate import MAX_METADATA_BYTES, _check_overlaps, check_name
 
 __all__ = ["load_dcp_metadata", "safe_dcp_reader", "safe_dcp_planner"]
 
@@ -87,10 +93,92 @@ def _open_regular(path: str, what: str) -> int:
     return fd
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _dims(value: Any, what: str) -> tuple[int, ...]:
+    """``value`` (a ``torch.Size``, tuple or list) as a tuple of non-negative ints, else raise."""
+    if not isinstance(value, (tuple, list)) or not all(_is_int(v) and v >= 0 for v in value):
+        raise CorruptCheckpointError(f"{what} {value!r:.80} is not a list of non-negative integers")
+    return tuple(value)
+
+
+def _shape_dtype(source: str, key: str, m: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of the tensor entry ``m``, checked: types, and sizes torch can hold."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    what = f"{source}: key {key!r}"
+    props = getattr(m, "properties", None)
+    if not isinstance(props, TensorProperties):
+        raise CorruptCheckpointError(
+            f"{what}: properties is a {type(props).__name__}, not torch's TensorProperties"
+        )
+    dtype = getattr(props, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"{what}: dtype {dtype!r:.80} is not a torch dtype")
+    shape = _dims(getattr(m, "size", None), f"{what}: size")
+    if math.prod(max(s, 1) for s in shape) >= 1 << 63:
+        raise CorruptCheckpointError(
+            f"{what}: size {list(shape)} overflows torch's 64-bit sizes and strides"
+        )
+    return shape, dtype
+
+
+def _check_chunks(source: str, key: str, m: Any, shape: tuple[int, ...], storage: dict) -> None:
+    """The chunks of tensor entry ``m`` tile its ``shape`` exactly (in bounds, no gaps, no
+    overlaps), each non-empty one with an entry in ``storage``; else torch's load would leave
+    part of the tensor unwritten."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    what = f"{source}: key {key!r}"
+    chunks = getattr(m, "chunks", None)
+    if not isinstance(chunks, list):
+        raise CorruptCheckpointError(f"{what}: chunks is a {type(chunks).__name__}, not a list")
+    ndim, total, boxes = len(shape), 0, []
+    for i, c in enumerate(chunks):
+        if not isinstance(c, ChunkStorageMetadata):
+            raise CorruptCheckpointError(
+                f"{what}: chunk {i} is a {type(c).__name__}, not torch's ChunkStorageMetadata"
+            )
+        offsets = _dims(getattr(c, "offsets", None), f"{what}: chunk {i}: offsets")
+        sizes = _dims(getattr(c, "sizes", None), f"{what}: chunk {i}: sizes")
+        label = f"{what} chunk offsets={list(offsets)} sizes={list(sizes)}"
+        if len(offsets) != ndim or len(sizes) != ndim:
+            raise CorruptCheckpointError(
+                f"{label}: has {len(offsets)}/{len(sizes)} dims, the tensor {ndim}"
+            )
+        box = Box(offsets, sizes)
+        if any(e > n for e, n in zip(box.ends, shape)):
+            raise CorruptCheckpointError(f"{label}: lies outside the tensor's size {list(shape)}")
+        if box.is_empty():  # torch reads nothing for it
+            continue
+        if MetadataIndex(key, offsets) not in storage:
+            raise CorruptCheckpointError(
+                f"{label}: has no entry in storage_data (no data file holds its bytes)"
+            )
+        total += box.numel
+        boxes.append((box.offsets, box.ends))
+    numel = math.prod(shape)
+    if total != numel:  # linear, so first; with equal counts a gap implies an overlap
+        raise CorruptCheckpointError(
+            f"{what}: its chunks cover {total} of its {numel} elements (size {list(shape)}): "
+            + ("a chunk is missing" if total < numel else "chunks overlap")
+        )
+    if len(boxes) > 1:
+        _check_overlaps(source, key, ndim, boxes)
+
+
 def load_dcp_metadata(directory: str) -> Any:
     """torch DCP's ``Metadata`` of ``directory``, unpickled with the restricted unpickler and
-    checked: plain data file names of regular files, sizes backed by their bytes."""
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    checked: field types, chunks that tile their tensors, plain data file names of regular
+    files, sizes backed by their bytes."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
 
     source = os.path.join(directory, ".metadata")
     with os.fdopen(_open_regular(source, "torch DCP metadata file"), "rb") as f:
@@ -105,13 +193,27 @@ def load_dcp_metadata(directory: str) -> Any:
         raise CorruptCheckpointError(
             f"{source}: not a readable torch DCP metadata file ({type(exc).__name__}: {exc})"
         ) from None
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+    if not isinstance(md, Metadata) or not isinstance(
+        getattr(md, "state_dict_metadata", None), dict
+    ):
         raise CorruptCheckpointError(f"{source}: holds a {type(md).__name__}, not DCP Metadata")
+    storage = getattr(md, "storage_data", None)
+    if storage is None:
+        storage = {}
+    if not isinstance(storage, dict):
+        raise CorruptCheckpointError(
+            f"{source}: storage_data is a {type(storage).__name__}, not a dict of data file entries"
+        )
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}
-    for index, info in (md.storage_data or {}).items():
+    for index, info in storage.items():
+        fqn = getattr(index, "fqn", None)
+        if not isinstance(index, MetadataIndex) or not isinstance(fqn, str):
+            raise CorruptCheckpointError(
+                f"{source}: storage_data key {index!r:.80} is not a MetadataIndex naming a key"
+            )
         name = getattr(info, "relative_path", None)
-        check_name(name, f"{source}: data file of {getattr(index, 'fqn', index)!r}")
+        check_name(name, f"{source}: data file of {fqn!r}")
         if name not in sizes:
             path = os.path.join(directory, name)
             try:
@@ -124,23 +226,33 @@ def load_dcp_metadata(directory: str) -> Any:
                 )
             sizes[name] = st.st_size
         offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
-        if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0:
-            raise CorruptCheckpointError(f"{source}: {name}: bad offset {offset} / length {length}")
+        if not (_is_int(offset) and _is_int(length)) or offset < 0 or length < 0:
+            raise CorruptCheckpointError(
+                f"{source}: {name} (key {fqn!r}): bad offset {offset!r:.40} / length {length!r:.40}"
+            )
         if offset + length > sizes[name]:
             raise CorruptCheckpointError(
                 f"{source}: bytes {offset}..{offset + length} run past the end of {name} "
                 f"({sizes[name]} bytes)"
             )
-        fqn = getattr(index, "fqn", None)
         if not getattr(info, "transform_descriptors", None):
             stored[fqn] = stored.get(fqn, 0) + length
     for key, m in md.state_dict_metadata.items():
-        if not isinstance(m, TensorStorageMetadata):
+        if not isinstance(key, str):
+            raise CorruptCheckpointError(f"{source}: key {key!r:.80} is not a string")
+        if isinstance(m, BytesStorageMetadata):
+            if MetadataIndex(key) not in storage:
+                raise CorruptCheckpointError(
+                    f"{source}: key {key!r}: a value with no entry in storage_data"
+                )
             continue
-        shape = tuple(m.size)
-        if any(not isinstance(s, int) or s < 0 for s in shape):
-            raise CorruptCheckpointError(f"{source}: key {key!r}: bad shape {shape}")
-        nbytes = math.prod(shape) * m.properties.dtype.itemsize
+        if not isinstance(m, TensorStorageMetadata):
+            raise CorruptCheckpointError(
+                f"{source}: key {key!r}: a {type(m).__name__}, not torch's TensorStorageMetadata "
+                "or BytesStorageMetadata"
+            )
+        shape, dtype = _shape_dtype(source, key, m)
+        nbytes = math.prod(shape) * dtype.itemsize
         if key in stored and nbytes > stored[key]:
             raise CorruptCheckpointError(
                 f"{source}: key {key!r}: shape {list(shape)} needs {nbytes} bytes but its data "
@@ -151,6 +263,7 @@ def load_dcp_metadata(directory: str) -> Any:
                 f"{source}: key {key!r}: shape {list(shape)} needs {nbytes} bytes, more than "
                 f"all data files hold ({sum(sizes.values())})"
             )
+        _check_chunks(source, key, m, shape, storage)
     return md
 
 
