@@ -192,3 +192,26 @@ def test_an_internal_error_is_one_line_exit_4(tmp_path, monkeypatch):
     monkeypatch.setattr(_ckpt, "describe", broken)
     line = _error_line(shardkit("ckpt", "inspect", tmp_path / "c", code=4))
     assert "internal error" in line and "a bug over two lines" in line and "--debug" in line
+
+
+def test_torch_file_with_an_expanded_view_is_refused_by_convert_and_diff(tmp_path):
+    """A stride-0 view (x.expand(n)) holds n elements over 4 bytes of storage: convert
+    wrote 4 MiB (or any n) from a 1.4 KB file and diff asked for 4 TB (exit 4); both now
+    refuse the file, naming the key, before allocating or writing anything."""
+    small, huge = tmp_path / "small.pt", tmp_path / "huge.pt"
+    torch.save({"x": torch.zeros(1).expand(1 << 20)}, small)
+    torch.save({"w": torch.zeros(1).expand(10**12)}, huge)
+    out = tmp_path / "out"
+    line = _error_line(shardkit("ckpt", "convert", small, out, code=3))
+    assert "small.pt" in line and "key 'x'" in line and "expanded" in line, line
+    assert not out.exists()
+    line = _error_line(shardkit("ckpt", "diff", huge, huge, code=3))
+    assert "huge.pt" in line and "key 'w'" in line and "4000000000000 bytes" in line, line
+
+
+def test_torch_file_with_tied_weights_and_views_converts(tmp_path):
+    w, x = torch.arange(64.0).reshape(8, 8), torch.arange(24.0).reshape(4, 6)
+    state = {"emb": w, "head": w, "t": x.t(), "cols": x[:, ::2]}
+    torch.save(state, tmp_path / "ok.pt")
+    shardkit("ckpt", "convert", tmp_path / "ok.pt", tmp_path / "ok", code=0)
+    shardkit("ckpt", "diff", tmp_path / "ok.pt", tmp_path / "ok", code=0)

@@ -101,3 +101,69 @@ def test_no_file_in_the_package_maps_a_file_privately():
     ]
     assert hits == []
     assert _PRIVATE_MAP.search('torch.load(p, map_location="cpu", mmap=True)')
+
+
+_HOSTILE_VIEWS = {
+    # 4 bytes of storage read as 64 MiB (a 1.4 KB file became 64 MiB of output)
+    "expand": lambda: {"x": torch.zeros(1).expand(1 << 24)},
+    "nested expand": lambda: {"model": {"w": torch.zeros(1, 3).expand(1 << 20, 3)}},
+    # 20 bytes of storage read as 32 (overlapping windows)
+    "overlap": lambda: {"x": torch.arange(5.0).as_strided((4, 2), (1, 1))},
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE_VIEWS))
+def test_a_view_holding_more_than_it_covers_is_refused_naming_the_key(tmp_path, case):
+    path = tmp_path / "f.pt"
+    torch.save(_HOSTILE_VIEWS[case](), path)
+    assert path.stat().st_size < 4096
+    with pytest.raises(CorruptCheckpointError) as info:
+        TorchFile(path)
+    msg = str(info.value)
+    key = "'model.w'" if case == "nested expand" else "'x'"
+    assert str(path) in msg and f"key {key}" in msg and "expanded or overlapping" in msg, msg
+
+
+def test_many_keys_viewing_one_storage_are_bounded(tmp_path):
+    """Tied weights import, but 64 keys viewing one 64 KiB storage (4 MiB from a 70 KB
+    file) exceed 8 x the file's size + 1 MiB."""
+    s = torch.zeros(1 << 14)
+    path = tmp_path / "f.pt"
+    torch.save({f"k{i}": s for i in range(64)}, path)
+    with pytest.raises(CorruptCheckpointError, match=r"f\.pt: its tensors hold 4194304 bytes"):
+        TorchFile(path)
+
+
+def test_tied_weights_and_strided_views_still_import(tmp_path):
+    from shardkit.checkpoint import load
+    from shardkit.checkpoint.format_utils import torch_save_to_dcp
+
+    w = torch.arange(4096.0).reshape(64, 64)
+    x = torch.arange(24.0).reshape(4, 6)
+    state = {
+        "emb": w,
+        "head": w,  # tied: both keys view one storage
+        "t": x.t(),
+        "cols": x[:, ::2],
+        "row": x[2],
+        "pos": torch.arange(8).expand(1, -1),  # expanding a size-1 dim repeats nothing
+    }
+    path = tmp_path / "f.pt"
+    torch.save(state, path)
+    with TorchFile(path) as f:
+        _same(state, f.materialize(f.obj))
+    torch_save_to_dcp(path, tmp_path / "ckpt", progress=False)
+    out = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in state.items()}
+    load(out, checkpoint_id=tmp_path / "ckpt")
+    for k, v in state.items():
+        assert torch.equal(out[k], v), k
+
+
+def test_legacy_file_with_an_expanded_view_is_refused_by_torch_save_to_dcp(tmp_path):
+    from shardkit.checkpoint.format_utils import torch_save_to_dcp
+
+    path = tmp_path / "old.pt"
+    torch.save({"x": torch.zeros(1).expand(1 << 20)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(CorruptCheckpointError, match=r"old\.pt: key 'x' .*expanded"):
+        torch_save_to_dcp(path, tmp_path / "ckpt", progress=False)
+    assert not (tmp_path / "ckpt" / "metadata.json").exists()

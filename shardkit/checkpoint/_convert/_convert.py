@@ -28,7 +28,7 @@ from ._io import (
     read_safetensors,
     require_file,
 )
-from ._torch_file import TorchFile
+from ._torch_file import TorchFile, check_views
 
 __all__ = [
     "dcp_to_torch_save",
@@ -125,12 +125,17 @@ def _torch_load(path: str | os.PathLike) -> Any:
     map (page cache, never a private map charged against committed memory)."""
     if not is_local(path):
         with fsspec.open(os.fspath(path), "rb") as f:
-            return torch.load(f, map_location="cpu", weights_only=True)
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        fs, remote = fsspec.core.url_to_fs(os.fspath(path))
+        check_views(state, os.fspath(path), fs.size(remote))  # before save writes a view
+        return state
     local = os.fspath(path).removeprefix("file://")
     with open(local, "rb") as f:
         legacy = f.read(4) != b"PK\x03\x04"
     if legacy:  # pre-zip torch.save format: tensors are inside the pickle, read it whole
-        return torch.load(local, map_location="cpu", weights_only=True)
+        state = torch.load(local, map_location="cpu", weights_only=True)
+        check_views(state, local, os.path.getsize(local))
+        return state
     with TorchFile(local) as f:
         return f.materialize(f.obj, mapped=True)
 

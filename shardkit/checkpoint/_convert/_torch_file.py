@@ -22,7 +22,7 @@ import torch
 
 from .._core._errors import CorruptCheckpointError
 
-__all__ = ["TorchFile"]
+__all__ = ["TorchFile", "check_views"]
 
 _DATA_RE = re.compile(r"^[^/]+/data/[^/]+$")
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
@@ -67,12 +67,67 @@ def _byteorder(f, name: str) -> None:
                     )
 
 
+# A file's tensors together may hold at most this many times the file's size (plus
+# _SLACK_BYTES): tied weights and views of one storage import, a file listing one storage
+# under a million keys does not (docs/checkpoint.md, "torch.save files").
+_AMPLIFY = 8
+_SLACK_BYTES = 1 << 20
+
+
 def _span_bytes(t: torch.Tensor) -> int:
     """Bytes of the storage a view needs, from the storage's start."""
     if t.numel() == 0:
         return 0
     last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     return (last + 1) * t.element_size()
+
+
+def _own_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage a view covers, from its first element to its last."""
+    return _span_bytes(t) - t.storage_offset() * t.element_size() if t.numel() else 0
+
+
+def _tensors(value: Any, key: str = "") -> Any:
+    """(key, tensor) for every tensor in dicts, lists and tuples, keys joined with '.'."""
+    if isinstance(value, torch.Tensor):
+        yield key, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors(v, f"{key}.{i}" if key else str(i))
+
+
+def _check_view(name: str, key: str | None, t: torch.Tensor) -> int:
+    """``t``'s bytes once read; refuses a view holding more bytes than it covers."""
+    nbytes = t.numel() * t.element_size()
+    if any(st < 0 for st in t.stride()) or nbytes > _own_bytes(t):
+        where = f"key {key!r}" if key is not None else "a tensor"
+        raise CorruptCheckpointError(
+            f"{name}: {where} ({t.dtype}, shape {tuple(t.shape)}, strides "
+            f"{tuple(t.stride())}) would hold {nbytes} bytes but covers only "
+            f"{_own_bytes(t)} bytes of its storage (an expanded or overlapping view such "
+            "as x.expand(n)); shardkit does not import such views: torch.save "
+            "x.contiguous() instead, or load the file with torch.load"
+        )
+    return nbytes
+
+
+def check_views(obj: Any, name: str, file_bytes: int) -> None:
+    """Refuse, before anything is read, a tensor holding more bytes than the storage it
+    covers, and tensors holding together more than ``_AMPLIFY`` x ``file_bytes`` (plus
+    ``_SLACK_BYTES``): what is read from a file is bounded by the file's size."""
+    total = 0
+    for key, t in _tensors(obj):
+        total += _check_view(name, key, t)
+    limit = _AMPLIFY * file_bytes + _SLACK_BYTES
+    if total > limit:
+        raise CorruptCheckpointError(
+            f"{name}: its tensors hold {total} bytes together, more than {_AMPLIFY} times "
+            f"the file's {file_bytes} bytes (plus {_SLACK_BYTES}): too many keys view the "
+            "same storage; shardkit does not import it (load it with torch.load)"
+        )
 
 
 class TorchFile:
@@ -100,6 +155,7 @@ class TorchFile:
                 _byteorder(f, self.path)
                 f.seek(0)
                 self.obj: Any = torch.load(f, map_location="meta", weights_only=True)
+            check_views(self.obj, self.path, self.size)
         except BaseException:
             os.close(self._fd)
             raise
@@ -131,6 +187,7 @@ class TorchFile:
                 f"{self.path}: a tensor of shape {tuple(t.shape)} needs bytes past its "
                 f"record ({nbytes} bytes at offset {start})"
             )
+        _check_view(self.path, None, t)  # also checked for every tensor of obj at open
         return start
 
     def _pread(self, offset: int, out: memoryview) -> None:
