@@ -7,9 +7,11 @@ are read one at a time, so at most the full model plus one rank's file is in mem
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
+import reprlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -24,6 +26,25 @@ __all__ = [
 _RANK_RE = re.compile(r"rank-(\d+)-of-(\d+)")
 
 
+@functools.cache
+def _rank_file_error() -> type:
+    """``RankFileError``, made on first use: ``import shardkit.fsdp`` stays light."""
+    from ..checkpoint._core._errors import CorruptCheckpointError
+
+    class RankFileError(CorruptCheckpointError, ValueError):
+        """A per-rank file's ``shard_metadata`` is malformed, disagrees with its shards or
+        with rank 0's file. Also a ``ValueError`` (what this module raised before); the
+        message names the file and the parameter."""
+
+    RankFileError.__module__ = __name__
+    return RankFileError
+
+
+def _bad_file(message: str) -> Exception:
+    """A ``RankFileError``: a ``CorruptCheckpointError`` that is also a ``ValueError``."""
+    return _rank_file_error()(message)
+
+
 def rank_file_name(prefix: str, rank: int, world_size: int, suffix: str = ".pth") -> str:
     """The conventional per-rank file name, ``<prefix>_rank-00000001-of-00000004.pth``."""
     return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}{suffix}"
@@ -32,7 +53,7 @@ def rank_file_name(prefix: str, rank: int, world_size: int, suffix: str = ".pth"
 def _open(path: str):
     from ..checkpoint._convert._torch_file import TorchFile
 
-    try:
+    try:  # a CorruptCheckpointError (not a ValueError) names the file already
         return TorchFile(path)
     except ValueError as exc:  # legacy format or big-endian: say which file
         raise ValueError(f"cannot read rank file {path!r}: {exc}") from None
@@ -43,8 +64,8 @@ def _peek_meta(path: str) -> dict:
     with _open(path) as f:
         ckpt = f.obj
     meta = ckpt.get("shard_metadata") if isinstance(ckpt, dict) else None
-    if not isinstance(meta, dict) or not isinstance(meta.get("rank"), int):
-        raise ValueError(
+    if not isinstance(meta, dict) or not _is_int(meta.get("rank")):
+        raise _bad_file(
             f"{path!r} is not a per-rank FSDP checkpoint: it needs 'model' and "
             "'shard_metadata' entries; remove it or narrow ckpt_suffix"
         )
@@ -101,48 +122,197 @@ def find_rank_files(
     return [by_rank[r] for r in range(world)]
 
 
-def _merge_rank(path: str, rank: int, world: int, slots: dict, full: dict) -> dict[str, str]:
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FIELDS = {"fqn": str, "shape": list, "slot": int, "replicated": bool, "start": int, "rows": int}
+
+
+class _Plan:
+    """Every rank file's ``shard_metadata`` checked against its shards and against rank
+    0's, before anything is allocated: the same keys on every rank, the same full shape,
+    and each parameter's rows tiling ``[0, shape[0])`` in rank order, no gap, no overlap.
+
+    A second pass (the merge itself) checks each file again against the first pass's
+    parameters, so a file rewritten in between is an error, never uninitialised rows.
+    """
+
+    def __init__(self, paths: list[str], ref: dict | None = None) -> None:
+        self.paths = paths
+        self.ref = ref  # key -> (fqn, shape, slot, replicated, dtype), from rank 0
+        self.next_row: dict[str, int] = {}
+
+    def add(self, path: str, rank: int, model, meta: dict) -> dict:
+        """Check one rank file; returns its ``params`` (key -> checked info)."""
+        params, buffers = meta.get("params"), meta.get("buffers")
+        if not isinstance(params, dict) or not isinstance(buffers, dict):
+            raise _bad_file(
+                f"{path!r}: shard_metadata needs 'params' and 'buffers' dicts, got "
+                f"{type(params).__name__} and {type(buffers).__name__}"
+            )
+        if not isinstance(model, dict):
+            raise _bad_file(f"{path!r}: 'model' is a {type(model).__name__}, not a dict")
+        spec = {key: self._param(path, key, info, model) for key, info in params.items()}
+        if self.ref is None:
+            self.ref = self._reference(path, spec)
+        if rank == 0:
+            self._buffers(path, buffers, model)
+        missing = sorted(set(self.ref) - set(spec), key=repr)
+        extra = sorted(set(spec) - set(self.ref), key=repr)
+        if missing or extra:
+            raise _bad_file(
+                f"{path!r}: its shard metadata describes other parameters than rank 0's "
+                f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, extra "
+                f"{extra[:5]}{'...' if len(extra) > 5 else ''})"
+            )
+        for key, (fqn, shape, slot, replicated, dtype, start, rows) in spec.items():
+            want = self.ref[key]
+            if (fqn, shape, slot, replicated, dtype) != want:
+                raise _bad_file(
+                    f"{path!r}: {key!r} is {fqn!r} of shape {list(shape)} (slot {slot}, "
+                    f"replicated={replicated}, {dtype}), but rank 0's file says {want[0]!r} "
+                    f"of shape {list(want[1])} (slot {want[2]}, replicated={want[3]}, "
+                    f"{want[4]})"
+                )
+            if replicated or not rows:
+                continue
+            expect = self.next_row.get(key, 0)
+            if start != expect:
+                what = "overlap them" if start < expect else f"leave rows {expect}..{start - 1} out"
+                raise _bad_file(
+                    f"{path!r}: {key!r} (rank {rank}) starts at row {start}, but the ranks "
+                    f"before it end at row {expect}: its rows would {what}"
+                )
+            self.next_row[key] = start + rows
+        return params
+
+    @staticmethod
+    def _param(path: str, key, info, model) -> tuple:
+        where = f"{path!r}: shard metadata of {key!r}"
+        if not isinstance(info, dict):
+            raise _bad_file(f"{where} is a {type(info).__name__}, not a dict")
+        for field, kind in _FIELDS.items():
+            value = info.get(field)
+            ok = _is_int(value) if kind is int else isinstance(value, kind)
+            if field == "shape":
+                ok = isinstance(value, (list, tuple)) and all(_is_int(n) and n >= 0 for n in value)
+            if not ok:
+                raise _bad_file(
+                    f"{where}: {field!r} must be "
+                    + ("a list of integers >= 0" if field == "shape" else kind.__name__)
+                    + f", got {reprlib.repr(value)}"
+                )
+        shape, start, rows = tuple(info["shape"]), info["start"], info["rows"]
+        if not info["replicated"]:
+            if not shape:
+                raise _bad_file(f"{where}: a sharded parameter needs a shape of >= 1 dims")
+            if rows < 0 or start < 0 or start + rows > shape[0]:
+                raise _bad_file(
+                    f"{where}: rows {start}..{start + rows - 1} ({rows} rows from row {start}) "
+                    f"are outside its {shape[0]} rows"
+                )
+        shard = model.get(key)
+        if not isinstance(shard, torch.Tensor):
+            raise _bad_file(f"{path!r}: shard metadata names {key!r}, missing from 'model'")
+        expected = shape if info["replicated"] else (rows, *shape[1:])
+        if tuple(shard.shape) != expected:
+            raise _bad_file(
+                f"{path!r}: {key!r} has shape {tuple(shard.shape)}, but its shard metadata "
+                f"says {expected}"
+            )
+        return info["fqn"], shape, info["slot"], info["replicated"], shard.dtype, start, rows
+
+    @staticmethod
+    def _reference(path: str, spec: dict) -> dict:
+        """Rank 0's parameters; tied ones (one slot) agree, no two slots share a name."""
+        slots: dict[int, tuple] = {}
+        names: dict[str, int] = {}
+        for key, (fqn, shape, slot, replicated, dtype, start, rows) in spec.items():
+            first = slots.setdefault(slot, (key, shape, replicated, dtype, start, rows))
+            if first[1:] != (shape, replicated, dtype, start, rows):
+                raise _bad_file(
+                    f"{path!r}: {key!r} and {first[0]!r} share slot {slot} (tied), but their "
+                    "shard metadata or shards differ"
+                )
+            if names.setdefault(fqn, slot) != slot:
+                raise _bad_file(f"{path!r}: two parameters are both named {fqn!r}")
+        return {key: v[:5] for key, v in spec.items()}
+
+    def _buffers(self, path: str, buffers: dict, model: dict) -> None:
+        """Rank 0's buffers (the only ones read): tensors of 'model', named apart."""
+        params = {v[0] for v in self.ref.values()}
+        for key, fqn in buffers.items():
+            if not isinstance(fqn, str) or not isinstance(model.get(key), torch.Tensor):
+                raise _bad_file(
+                    f"{path!r}: shard metadata names buffer {key!r} ({reprlib.repr(fqn)}), "
+                    "but 'model' holds no tensor under that key"
+                )
+            if fqn in params:
+                raise _bad_file(f"{path!r}: buffer {key!r} is named {fqn!r}, as a parameter")
+
+    def finish(self) -> None:
+        """Every sharded parameter's rows all came from some rank file."""
+        for key, (_fqn, shape, _slot, replicated, _dtype) in (self.ref or {}).items():
+            if not replicated and self.next_row.get(key, 0) != shape[0]:
+                end = self.next_row.get(key, 0)
+                raise _bad_file(
+                    f"{key!r} (shape {list(shape)}): rows {end}..{shape[0] - 1} are in none of "
+                    f"the {len(self.paths)} rank files {self.paths[0]!r} ... {self.paths[-1]!r}"
+                )
+
+
+def _check_rank(f, path: str, rank: int, world: int, plan: _Plan) -> tuple[dict, dict, dict]:
+    """``(model, shard_metadata, params)`` of an open rank file, checked by ``plan``."""
+    ckpt = f.obj
+    try:
+        model, meta = ckpt["model"], ckpt["shard_metadata"]
+    except (KeyError, TypeError):
+        raise _bad_file(
+            f"{path!r} is not a per-rank FSDP checkpoint: it needs 'model' and "
+            "'shard_metadata' entries"
+        ) from None
+    if not isinstance(meta, dict):
+        raise _bad_file(f"{path!r}: 'shard_metadata' is a {type(meta).__name__}, not a dict")
+    if meta.get("world_size") != world or meta.get("rank") != rank:
+        raise _bad_file(
+            f"{path!r} holds rank {meta.get('rank')} of {meta.get('world_size')} ranks, but "
+            f"it was listed as rank {rank} of {world} (was it rewritten meanwhile?)"
+        )
+    return model, meta, plan.add(path, rank, model, meta)
+
+
+def _plan(paths: list[str]) -> dict:
+    """Check every rank file's metadata (no tensor bytes are read); rank 0's parameters."""
+    plan = _Plan(paths)
+    for rank, path in enumerate(paths):
+        _check_file(path, rank, len(paths), plan)
+    plan.finish()
+    return plan.ref
+
+
+def _check_file(path: str, rank: int, world: int, plan: _Plan) -> None:
+    with _open(path) as f:  # its (meta) tensors die on return, before the next file opens
+        _check_rank(f, path, rank, world, plan)
+
+
+def _merge_rank(path: str, rank: int, world: int, slots: dict, full: dict, plan) -> dict:
     """Copy one rank file's rows into the full tensors; its tensors die on return.
 
     Returns rank 0's ``state_dict`` key -> unwrapped name map, in order (else empty).
     Each shard is read with ``preadv`` straight into its rows of the full tensor.
     """
     with _open(path) as f:
-        return _merge_open(f, path, rank, world, slots, full)
+        return _merge_open(f, path, rank, world, slots, full, plan)
 
 
-def _merge_open(f, path: str, rank: int, world: int, slots: dict, full: dict) -> dict[str, str]:
-    ckpt = f.obj
-    try:
-        model, meta = ckpt["model"], ckpt["shard_metadata"]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"{path!r} is not a per-rank FSDP checkpoint: it needs 'model' and "
-            "'shard_metadata' entries"
-        ) from None
-    if meta.get("world_size") != world or meta.get("rank") != rank:
-        raise ValueError(
-            f"{path!r} holds rank {meta.get('rank')} of {meta.get('world_size')} ranks, but "
-            f"it was listed as rank {rank} of {world} (was it rewritten meanwhile?)"
-        )
-    for key, info in meta["params"].items():
-        if key not in model:
-            raise ValueError(f"{path!r}: shard metadata names {key!r}, missing from 'model'")
+def _merge_open(f, path: str, rank: int, world: int, slots: dict, full: dict, plan) -> dict:
+    model, meta, params = _check_rank(f, path, rank, world, plan)
+    for key, info in params.items():
         shard = model[key]
-        shape = info["shape"]
-        expected = tuple(shape) if info["replicated"] else (info["rows"], *shape[1:])
-        if tuple(shard.shape) != expected:
-            raise ValueError(
-                f"{path!r}: {key!r} has shape {tuple(shard.shape)}, but its shard metadata "
-                f"says {expected}"
-            )
         target = slots.get(info["slot"])
-        if target is None:
-            target = slots[info["slot"]] = torch.empty(shape, dtype=shard.dtype)
-        if shard.dtype != target.dtype:
-            raise ValueError(
-                f"{path!r}: {key!r} is {shard.dtype}, but an earlier file stored {target.dtype}"
-            )
+        if target is None:  # shape checked by _plan: the rows of every rank file tile it
+            target = slots[info["slot"]] = torch.empty(info["shape"], dtype=shard.dtype)
         if info["replicated"]:
             if rank == 0:
                 f.read_into(shard, target)
@@ -153,7 +323,7 @@ def _merge_open(f, path: str, rank: int, world: int, slots: dict, full: dict) ->
         return {}
     for key, fqn in meta["buffers"].items():
         full[fqn] = f.read(model[key])
-    names = {**{k: v["fqn"] for k, v in meta["params"].items()}, **meta["buffers"]}
+    names = {**{k: v["fqn"] for k, v in params.items()}, **meta["buffers"]}
     return {k: names[k] for k in model if k in names}
 
 
@@ -162,8 +332,10 @@ def _consolidate(paths: list[str], progress: Callable[[Iterable], Iterable]) -> 
     full: dict[str, torch.Tensor] = {}
     slots: dict[int, torch.Tensor] = {}  # one full tensor per unique (maybe tied) parameter
     order: dict[str, str] = {}
+    plan = _Plan(paths, _plan(paths))  # every file checked before anything is allocated
     for rank, path in enumerate(progress(paths)):
-        order = _merge_rank(path, rank, world, slots, full) or order
+        order = _merge_rank(path, rank, world, slots, full, plan) or order
+    plan.finish()
     return {fqn: full[fqn] for fqn in order.values()}
 
 

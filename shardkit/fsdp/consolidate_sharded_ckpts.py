@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..checkpoint._core._errors import CheckpointError
 from ._consolidate import consolidate_sharded_model_checkpoints
 
 __all__ = ["main"]
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         full, path = consolidate_sharded_model_checkpoints(
             args.ckpt_prefix, args.ckpt_suffix, args.save_path, progress=True
         )
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, CheckpointError) as exc:  # a damaged file too
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"consolidated {len(full)} entries into {path}")
