@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import fsspec
 
-from ._main import CliError, VerifyFailed
+from ._main import CliError, VerifyFailed, printable
 
 __all__ = ["add_subcommands"]
 
@@ -151,6 +151,8 @@ def human_bytes(n: float) -> str:
 
 
 def _table(rows: list[list[str]], right: set[int]) -> str:
+    """Aligned columns; every cell escaped with :func:`printable` (names from a checkpoint)."""
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(
@@ -188,7 +190,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             damaged.append(f"step {step}: {why}")
     print(_table(rows, right={0, 2, 3, 4}))
     for line in damaged:
-        print(f"WARNING {line}", file=sys.stderr)
+        print(f"WARNING {printable(line)}", file=sys.stderr)
     return 0
 
 
@@ -270,9 +272,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return _warn_if_damaged(args.path)
-    print(f"checkpoint     {info['path']}")
+    print(f"checkpoint     {printable(info['path'])}")
     print(f"format version {info['format_version']}")
-    print(f"created        {info['created']}")
+    print(f"created        {printable(info['created'])}")
     print(f"world size     {info['world_size']} (at save)")
     print(f"stored bytes   {human_bytes(info['total_bytes'])} in data files")
     if info["linked_dirs"]:
@@ -297,9 +299,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if info["values"]:
         print()
         for key, value in info["values"].items():
-            print(f"{key} = {json.dumps(value, default=str)}")
+            print(f"{printable(key)} = {printable(json.dumps(value, default=str))}")
     for key in info["pickled_objects"]:
-        print(f"{key} = <pickled object: not loaded>")
+        print(f"{printable(key)} = <pickled object: not loaded>")
     return _warn_if_damaged(args.path)
 
 
@@ -310,7 +312,7 @@ def _warn_if_damaged(path: str) -> int:
 
     status, _, why = step_status(path)
     if status == "DAMAGED":
-        print(f"shardkit: WARNING: this checkpoint is damaged: {why}", file=sys.stderr)
+        print(f"shardkit: WARNING: this checkpoint is damaged: {printable(why)}", file=sys.stderr)
         return EXIT_DAMAGED
     return 0
 

@@ -8,15 +8,13 @@ step allows (safetensors out: one tensor; torch.save out: the whole output).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import stat
 import struct
 import tempfile
-import warnings
 from collections.abc import Iterator
 
-from ._main import CliError
+from ._main import CliError, printable
 
 __all__ = ["FORMATS_FROM", "FORMATS_TO", "cmd_convert", "cmd_diff", "detect_format"]
 
@@ -152,25 +150,27 @@ class _Source:
         self.path = path
         self.format = detect_format(path)
         self.values: dict[str, object] = {}
-        self.tensors: dict[str, tuple] = {}  # key -> (dtype or None, shape)
+        self.tensors: dict[str, tuple] = {}  # key -> (dtype, shape)
         if self.format == "shardkit":
+            from ..checkpoint import FileSystemReader
             from ._ckpt import checkpoint_metadata
 
-            md = checkpoint_metadata(path)
-            self._reader = _cached_reader(path)
+            # parsed and validated once; every per-key read reuses it (see tensor())
+            self._md = md = checkpoint_metadata(path)
+            self._reader = FileSystemReader(path)
             self.tensors = {k: (t.dtype, tuple(t.shape)) for k, t in md.tensors.items()}
             self.values = dict(md.values)
             self.values.update({k: "<pickled object>" for k in md.objects})
         elif self.format == "safetensors":
-            from safetensors import safe_open
+            from ..checkpoint._convert._io import VALUES_KEY, decode_values, read_safetensors
 
-            self._st = safe_open(self._local(), "pt")
-            stored = (self._st.metadata() or {}).get("shardkit.values")
-            if stored:  # non-tensor values written by `convert --to safetensors`
-                self.values = _decode(json.loads(stored))
-            for key in self._st.keys():
-                piece = self._st.get_slice(key)
-                self.tensors[key] = (None, tuple(piece.get_shape()))
+            # the checked reader of `convert` (memory-mapped: tensors cost page cache only);
+            # a hostile header is a CorruptCheckpointError naming the file
+            self._st, meta = read_safetensors(self._local())
+            if VALUES_KEY in meta:  # non-tensor values written by `convert --to safetensors`
+                self.values = decode_values(meta[VALUES_KEY], path)
+            for key, tensor in self._st.items():
+                self.tensors[key] = (tensor.dtype, tuple(tensor.shape))
         elif self.format == "torch":
             from ..checkpoint._convert._torch_file import TorchFile
 
@@ -204,51 +204,15 @@ class _Source:
 
     def tensor(self, key: str):
         """The full tensor stored under ``key``."""
-        import torch
-
         if self.format == "shardkit":
-            from ..checkpoint import load
+            from ..checkpoint._convert._io import read_full
 
-            dtype, shape = self.tensors[key]
-            out = torch.empty(shape, dtype=dtype)
-            with warnings.catch_warnings():  # every other key is skipped on purpose
-                warnings.simplefilter("ignore", UserWarning)
-                load({key: out}, storage_reader=self._reader, strict=False)
-            return out
+            # the metadata parsed in __init__, not once per key (load() would reparse it)
+            (out,) = read_full(self._reader, self._md, [key], reuse=False)
+            return out[key]
         if self.format == "safetensors":
-            return self._st.get_tensor(key)
+            return self._st[key]
         return self._file.read(self._flat[key])
-
-
-def _decode(value):
-    """Undo the tags of docs/checkpoint-format.md's JSON value encoding."""
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if isinstance(value, dict):
-        tag = value.get("__shardkit__")
-        if tag == "float":
-            return float(value["repr"])
-        if tag == "tuple":
-            return tuple(_decode(v) for v in value["items"])
-        if tag == "dict":
-            return {_decode(k): _decode(v) for k, v in value["items"]}
-        return {k: _decode(v) for k, v in value.items()}
-    return value
-
-
-def _cached_reader(path: str):
-    """A FileSystemReader that fetches metadata.json once for many one-key loads."""
-    from ..checkpoint import FileSystemReader
-
-    class CachedReader(FileSystemReader):
-        _raw: bytes | None = None
-
-        def read_metadata(self) -> bytes:
-            if self._raw is None:
-                self._raw = super().read_metadata()
-            return self._raw
-
-    return CachedReader(path)
 
 
 def _flatten(value, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -299,12 +263,13 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 same += 1
         del ta, tb
     for title, keys in ((f"only in A ({args.a})", only_a), (f"only in B ({args.b})", only_b)):
-        print(f"{title}: {len(keys)}")
+        print(printable(f"{title}: {len(keys)}"))
         for key in keys:
-            print(f"  {key}")
+            print(f"  {printable(key)}")
     print(f"differ: {len(differ)}")
-    width = max((len(k) for k, _ in differ), default=0)
-    for key, why in differ:
+    shown = [(printable(k), printable(why)) for k, why in differ]
+    width = max((len(k) for k, _ in shown), default=0)
+    for key, why in shown:
         print(f"  {key.ljust(width)}  {why}")
     print(f"identical: {same}")
     return 1 if (only_a or only_b or differ) else 0

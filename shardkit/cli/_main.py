@@ -16,7 +16,7 @@ import sys
 
 from .._version import __version__
 
-__all__ = ["CliError", "VerifyFailed", "build_parser", "main"]
+__all__ = ["CliError", "VerifyFailed", "build_parser", "main", "printable"]
 
 EXIT_VERIFY_FAILED = 1
 EXIT_ERROR = 2  # usage error
@@ -30,6 +30,17 @@ class CliError(Exception):
 
 class VerifyFailed(CliError):
     """``shardkit ckpt verify`` found a bad checksum (exit status 1, not 2)."""
+
+
+def printable(text: object) -> str:
+    """``text`` with each non-printable character (ESC, CR, newline, bidi overrides, ...)
+    escaped as Python writes it (``\\x1b``), for printing names and values read from a
+    checkpoint: nothing in one can move the cursor, rewrite a line or restyle the terminal.
+    """
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _add_debug(parser: argparse.ArgumentParser, top: bool) -> None:
@@ -78,7 +89,7 @@ def _one_line(exc: BaseException) -> str:
         text = f"{text}: {exc.filename}"
     if isinstance(exc, KeyError) and exc.args:
         text = f"missing key {exc.args[0]!r}"
-    return " ".join(text.split())
+    return printable(" ".join(text.split()))
 
 
 def _handled_errors() -> tuple[type[BaseException], ...]:

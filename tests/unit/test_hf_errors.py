@@ -1,8 +1,10 @@
 """Hugging Face export / import: the errors a user meets, in one process."""
 
 import json
+import re
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 from hf_models import build, config
@@ -88,8 +90,37 @@ def test_load_hf_rejects_bad_directories(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="plain '\\*.safetensors' file name"):
         load_hf(model, tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text("{not json")
-    with pytest.raises(CorruptCheckpointError, match="not JSON"):
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
         load_hf(model, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"weight_map": ' + "[" * 100000 + "]" * 100000 + "}", "JSON nested deeper than 64"),
+        ('{"x": ' + "9" * 5000 + ', "weight_map": {}}', "not valid JSON.*4300 digits"),
+    ],
+    ids=["nested 100000 deep", "5000-digit number"],
+)
+def test_load_hf_hostile_index_names_the_file(tmp_path, text, why):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(text)
+    with pytest.raises(CorruptCheckpointError, match=f"^{re.escape(str(index))}: {why}"):
+        load_hf(torch.nn.Linear(4, 2), tmp_path)
+
+
+def test_load_hf_index_size_is_capped(tmp_path, monkeypatch):
+    from shardkit.checkpoint._convert import _hf_import
+
+    safetensors.torch.save_file(torch.nn.Linear(4, 2).state_dict(), tmp_path / "a.safetensors")
+    wmap = {"weight": "a.safetensors", "bias": "a.safetensors"}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"pad": "x" * 1000}, "weight_map": wmap}))
+    monkeypatch.setattr(_hf_import, "MAX_INDEX_BYTES", 1000)
+    with pytest.raises(CorruptCheckpointError, match=f"^{re.escape(str(index))}: more than 1000"):
+        load_hf(torch.nn.Linear(4, 2), tmp_path)
+    monkeypatch.setattr(_hf_import, "MAX_INDEX_BYTES", 2000)  # the same index, under the cap
+    assert load_hf(torch.nn.Linear(4, 2), tmp_path) == []
 
 
 def test_load_hf_strict_names_missing_parameters(tmp_path):

@@ -12,7 +12,7 @@ from typing import Any
 import fsspec
 import torch
 
-from .._core._format import decode_value, encode_value, is_json_value
+from .._core._format import encode_value, is_json_value
 from .._core._save import save
 from ._dcp_safe import load_dcp_metadata, safe_dcp_planner, safe_dcp_reader
 from ._io import (
@@ -21,6 +21,7 @@ from ._io import (
     TensorArena,
     check_progress,
     checkpoint_metadata,
+    decode_values,
     is_local,
     progress_bar,
     read_full,
@@ -193,7 +194,7 @@ def from_safetensors(
         tensors, meta = read_safetensors(path)
         state.update(tensors)
         if VALUES_KEY in meta:
-            values = decode_value(json.loads(meta[VALUES_KEY]))
+            values = decode_values(meta[VALUES_KEY], os.fspath(path))
             clash = sorted(set(values) & set(tensors))
             if clash:
                 raise ValueError(f"{os.fspath(path)!r}: keys {clash} are both tensors and values")

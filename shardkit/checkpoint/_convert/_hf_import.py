@@ -7,7 +7,6 @@ replicated one. Nothing is gathered and no rank reads the whole file.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -20,6 +19,7 @@ from torch import nn
 from ...spmd import ShardedTensor
 from .._core._errors import CorruptCheckpointError
 from .._core._format import SAFETENSORS_NAMES
+from .._core._validate import load_json
 from .._state_dict._fqn import clean_key, unwrap
 from .._state_dict._model import get_model_state_dict
 from ._hf import INDEX_FILE
@@ -27,6 +27,9 @@ from ._hf import INDEX_FILE
 __all__ = ["load_hf", "hf_weight_map"]
 
 _SINGLE = "model.safetensors"
+#: Largest ``model.safetensors.index.json`` read (bytes). An index holds one short line per
+#: tensor: the largest published ones (MoE models with ~100,000 tensors) are about 10 MiB.
+MAX_INDEX_BYTES = 32 << 20
 
 
 def _check_name(name: Any, index_path: str) -> str:
@@ -58,10 +61,13 @@ def hf_weight_map(path: str | os.PathLike) -> tuple[str, dict[str, str]]:
     index = os.path.join(text, INDEX_FILE)
     if os.path.isfile(index):
         with open(index, "rb") as f:
-            try:
-                data = json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise CorruptCheckpointError(f"{index}: not JSON ({exc})") from None
+            raw = f.read(MAX_INDEX_BYTES + 1)
+        if len(raw) > MAX_INDEX_BYTES:
+            raise CorruptCheckpointError(
+                f"{index}: more than {MAX_INDEX_BYTES} bytes; an index of key -> file names "
+                "is far smaller (a hostile or wrong file?)"
+            )
+        data = load_json(raw, index)
         wmap = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wmap, dict) or not all(isinstance(k, str) for k in wmap):
             raise CorruptCheckpointError(f"{index}: no 'weight_map' object of key -> file")
@@ -101,12 +107,10 @@ class _Header:
             self.close()
             raise CorruptCheckpointError(f"{path}: safetensors header length {hlen} is invalid")
         try:
-            header = json.loads(os.pread(self.fd, hlen, 8))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            header = load_json(os.pread(self.fd, hlen, 8), path, "safetensors header")
+        except CorruptCheckpointError:
             self.close()
-            raise CorruptCheckpointError(
-                f"{path}: safetensors header is not JSON ({exc})"
-            ) from None
+            raise
         self.base, self.size = 8 + hlen, size
         self.entries = header if isinstance(header, dict) else {}
 

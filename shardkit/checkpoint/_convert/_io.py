@@ -19,11 +19,11 @@ import torch
 from tqdm import tqdm
 
 from .._core._errors import CheckpointError, CorruptCheckpointError
-from .._core._format import SAFETENSORS_DTYPES, Metadata, safetensors_dtype
+from .._core._format import SAFETENSORS_DTYPES, Metadata, decode_value, safetensors_dtype
 from .._core._load import load, load_with_metadata
 from .._core._planner import DefaultLoadPlanner
 from .._core._storage import FileSystemReader
-from .._core._validate import MAX_HEADER_BYTES, check_files
+from .._core._validate import MAX_HEADER_BYTES, check_files, check_shape, load_json
 
 __all__ = [
     "check_progress",
@@ -36,6 +36,7 @@ __all__ = [
     "read_objects",
     "SafetensorsStreamWriter",
     "read_safetensors",
+    "decode_values",
     "VALUES_KEY",
 ]
 
@@ -280,6 +281,7 @@ def _entry(name: str, key: str, info: Any) -> tuple:
         raise CorruptCheckpointError(
             f"{name}: key {key!r}: bad shape {shape!r:.60} or data_offsets {offsets!r:.60}"
         )
+    check_shape(shape, f"{name}: key {key!r}")
     return tuple(shape), dtype, offsets[0], offsets[1]
 
 
@@ -310,15 +312,14 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         )
     if 8 + hlen > len(buf):
         raise CorruptCheckpointError(f"{name}: header length {hlen} runs past the end of the file")
-    try:
-        header = json.loads(bytes(buf[8 : 8 + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(f"{name}: safetensors header is not JSON ({exc})") from None
+    header = load_json(bytes(buf[8 : 8 + hlen]), name, "safetensors header")
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{name}: safetensors header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise CorruptCheckpointError(f"{name}: safetensors __metadata__ is not an object")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCheckpointError(
+            f"{name}: safetensors __metadata__ is not an object of strings"
+        )
     base, tensors, spans = 8 + hlen, {}, []
     for key, info in header.items():
         shape, dtype, start, end = _entry(name, key, info)
@@ -341,3 +342,22 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         if b_start < a_end:  # shared bytes would multiply what a conversion writes
             raise CorruptCheckpointError(f"{name}: keys {a_key!r} and {b_key!r} overlap")
     return tensors, meta
+
+
+def decode_values(stored: Any, name: str) -> dict[str, Any]:
+    """The non-tensor values a safetensors file's ``__metadata__["shardkit.values"]`` holds
+    (written by ``to_safetensors``); CorruptCheckpointError naming ``name`` if the entry is
+    not a JSON string of a key -> value object in docs/checkpoint-format.md's encoding."""
+    what = f"__metadata__[{VALUES_KEY!r}]"
+    if not isinstance(stored, str):
+        raise CorruptCheckpointError(f"{name}: {what} is not a string")
+    doc = load_json(stored, name, what)
+    try:  # the depth is bounded by load_json, so the recursive decode cannot overflow
+        values = decode_value(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"{name}: {what} is not in shardkit's value encoding ({type(exc).__name__}: {exc})"
+        ) from None
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        raise CorruptCheckpointError(f"{name}: {what} is not an object of key -> value")
+    return values

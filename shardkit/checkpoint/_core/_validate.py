@@ -33,7 +33,10 @@ from ._format import (
 __all__ = [
     "MAX_METADATA_BYTES",
     "MAX_NESTING",
+    "INT64_MAX",
     "check_name",
+    "check_shape",
+    "load_json",
     "seal_metadata",
     "parse_metadata",
     "validate",
@@ -49,6 +52,8 @@ MAX_METADATA_BYTES = int(os.environ.get("SHARDKIT_MAX_METADATA_BYTES", 64 << 20)
 MAX_NESTING = 64
 #: Longest safetensors header shardkit reads in a file it did not check (bytes).
 MAX_HEADER_BYTES = 100 << 20
+#: Largest dim (and product of dims) a stored shape may have: torch's sizes are int64.
+INT64_MAX = (1 << 63) - 1
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
@@ -120,6 +125,49 @@ def _depth(doc: Any) -> int:
     return deepest
 
 
+def load_json(
+    raw: bytes | str,
+    source: str,
+    what: str = "",
+    *,
+    max_depth: int | None = MAX_NESTING,
+) -> Any:
+    """Parse JSON from a file shardkit did not write; CorruptCheckpointError naming
+    ``source`` (and ``what``, e.g. "safetensors header") on any fault.
+
+    Strict JSON (no NaN / Infinity); refused: nesting deeper than ``max_depth`` (and what
+    would exhaust the parser's recursion), invalid UTF-8, numbers with more digits than
+    Python converts. So callers may walk the result recursively. The caller bounds the size
+    of ``raw`` (each file kind has its own limit).
+    """
+    label = f"{source}: {what}" if what else source
+    try:
+        doc = json.loads(raw, parse_constant=_no_constants)
+    except RecursionError:
+        raise CorruptCheckpointError(
+            f"{label}: JSON nested deeper than {max_depth or MAX_NESTING} levels"
+        ) from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, too many digits
+        raise CorruptCheckpointError(f"{label}: not valid JSON ({exc})") from None
+    if max_depth is not None and _depth(doc) > max_depth:
+        raise CorruptCheckpointError(f"{label}: JSON nested deeper than {max_depth} levels")
+    return doc
+
+
+def check_shape(shape: Any, label: str) -> None:
+    """CorruptCheckpointError naming ``label`` unless torch can hold a tensor of ``shape``:
+    every dim 0..2**63-1 and the dims (zeros counted as 1, as torch's strides do) multiply
+    to at most 2**63-1. A zero-element shape is no exception: torch.empty([10**30, 0])
+    overflows too."""
+    if any(s < 0 for s in shape):
+        raise CorruptCheckpointError(f"{label}: negative shape {list(shape)}")
+    if any(s > INT64_MAX for s in shape) or math.prod(max(s, 1) for s in shape) > INT64_MAX:
+        raise CorruptCheckpointError(
+            f"{label}: shape {list(shape)!s:.200} is larger than torch allows (each dim and "
+            "their product at most 2**63-1)"
+        )
+
+
 def parse_metadata(raw: bytes, source: str) -> Metadata:
     """Parse ``metadata.json`` and run :func:`validate`; CorruptCheckpointError on any fault."""
     if len(raw) > MAX_METADATA_BYTES:
@@ -128,14 +176,7 @@ def parse_metadata(raw: bytes, source: str) -> Metadata:
             "may have (SHARDKIT_MAX_METADATA_BYTES raises the limit)"
         )
     sealed = _unseal(raw, source)
-    try:
-        doc = json.loads(raw, parse_constant=_no_constants)
-    except RecursionError:
-        raise CorruptCheckpointError(
-            f"{source}: JSON nested deeper than {MAX_NESTING} levels"
-        ) from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{source}: not valid JSON ({exc})") from None
+    doc = load_json(raw, source, max_depth=None)  # the values' depth is checked below
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{source}: not a shardkit checkpoint metadata file")
     version = doc.get("version")
@@ -223,8 +264,7 @@ def validate(md: Metadata, source: str) -> None:
     ranges: dict[str, list[tuple[int, int, Any]]] = defaultdict(list)
     for key, t in md.tensors.items():
         shape, ndim = t.shape, len(t.shape)
-        if any(s < 0 for s in shape):
-            _fail(source, f"key {key!r}", f"negative shape {list(shape)}")
+        check_shape(shape, f"{source}: key {key!r}")
         itemsize = t.dtype.itemsize
         total, boxes = 0, []
         for c in t.chunks:
