@@ -19,6 +19,7 @@ from torch import nn
 from ...spmd import ShardedTensor
 from .._core._errors import CorruptCheckpointError
 from .._core._format import SAFETENSORS_NAMES
+from .._core._storage import read_small_file
 from .._core._validate import load_json
 from .._state_dict._fqn import clean_key, unwrap
 from .._state_dict._model import get_model_state_dict
@@ -60,8 +61,9 @@ def hf_weight_map(path: str | os.PathLike) -> tuple[str, dict[str, str]]:
         return folder or ".", dict.fromkeys(_keys(text), single)
     index = os.path.join(text, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index, "rb") as f:
-            raw = f.read(MAX_INDEX_BYTES + 1)
+        # the Hub's cache links the index to its blob: resolve the link, then read without
+        # following one (a FIFO or device swapped in is refused, never waited on)
+        raw = read_small_file(os.path.realpath(index), MAX_INDEX_BYTES)
         if len(raw) > MAX_INDEX_BYTES:
             raise CorruptCheckpointError(
                 f"{index}: more than {MAX_INDEX_BYTES} bytes; an index of key -> file names "

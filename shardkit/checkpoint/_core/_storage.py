@@ -41,12 +41,17 @@ def read_small_file(path: str, limit: int) -> bytes:
         os.close(fd)
 
 
-def parse_json(raw: bytes | str) -> Any:
-    """``json.loads`` whose every failure, nesting too deep included, is a ValueError."""
+class JSONNestingError(ValueError):
+    """JSON nested deeper than Python's parser goes (its RecursionError, as a ValueError)."""
+
+
+def parse_json(raw: bytes | str, **kwargs: Any) -> Any:
+    """``json.loads(raw, **kwargs)`` whose every failure, nesting too deep included
+    (:class:`JSONNestingError`), is a ValueError."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, **kwargs)
     except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
+        raise JSONNestingError("JSON nested too deeply") from None
 
 
 __all__ = ["StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader"]

@@ -9,7 +9,6 @@ refuses".
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -29,6 +28,7 @@ from ._format import (
     safetensors_dtype,
     safetensors_header,
 )
+from ._storage import JSONNestingError, parse_json
 
 __all__ = [
     "MAX_METADATA_BYTES",
@@ -132,8 +132,9 @@ def load_json(
     *,
     max_depth: int | None = MAX_NESTING,
 ) -> Any:
-    """Parse JSON from a file shardkit did not write; CorruptCheckpointError naming
-    ``source`` (and ``what``, e.g. "safetensors header") on any fault.
+    """Parse JSON from a file shardkit did not write (through ``_storage.parse_json``);
+    CorruptCheckpointError naming ``source`` (and ``what``, e.g. "safetensors header") on
+    any fault.
 
     Strict JSON (no NaN / Infinity); refused: nesting deeper than ``max_depth`` (and what
     would exhaust the parser's recursion), invalid UTF-8, numbers with more digits than
@@ -142,8 +143,8 @@ def load_json(
     """
     label = f"{source}: {what}" if what else source
     try:
-        doc = json.loads(raw, parse_constant=_no_constants)
-    except RecursionError:
+        doc = parse_json(raw, parse_constant=_no_constants)
+    except JSONNestingError:
         raise CorruptCheckpointError(
             f"{label}: JSON nested deeper than {max_depth or MAX_NESTING} levels"
         ) from None
@@ -416,7 +417,7 @@ def _check_linked_header(reader: Any, md: Metadata, name: str, holds: str) -> No
     try:
         if length != link.header_nbytes - 8:
             raise ValueError(f"header length {length}")
-        header = json.loads(bytes(buf[8:]), parse_constant=_no_constants)
+        header = parse_json(bytes(buf[8:]), parse_constant=_no_constants)
         for chunk_name, dtype, sizes, offset, nbytes in md.link_chunks.get(name, []):
             start = offset - link.header_nbytes
             entry = header[chunk_name]
