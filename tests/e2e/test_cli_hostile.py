@@ -9,13 +9,12 @@ import io
 import json
 import os
 import pickle
-import signal
 import warnings
-from contextlib import redirect_stderr, redirect_stdout
-from types import SimpleNamespace
+from contextlib import redirect_stderr
 
 import pytest
 import torch
+from hostile import fail_after, shardkit
 from metadata_edit import reseal_metadata
 
 import shardkit.checkpoint as dcp
@@ -24,21 +23,8 @@ from shardkit.cli import main
 
 @pytest.fixture(autouse=True)
 def _no_hang():
-    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("blocked for 30 s"))
-    signal.alarm(30)
-    yield
-    signal.alarm(0)
-
-
-def shardkit(*args, code):
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        got = main([str(a) for a in args])
-    result = SimpleNamespace(returncode=got, stdout=out.getvalue(), stderr=err.getvalue())
-    assert got == code, (got, result.stdout, result.stderr)
-    assert "Traceback" not in result.stderr
-    assert "Reader(" not in result.stderr + result.stdout  # no internal class names
-    return result
+    with fail_after(30):
+        yield
 
 
 def _error_line(result):

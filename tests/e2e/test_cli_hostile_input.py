@@ -7,34 +7,21 @@ one); the CLI exits 3, a damaged checkpoint (docs/cli.md), never 2 (usage) or 4 
 Commands run in-process through ``main(argv)``.
 """
 
-import io
 import json
 import shutil
 import struct
-from contextlib import redirect_stderr, redirect_stdout
-from types import SimpleNamespace
 
 import pytest
 import torch
+from hostile import shardkit
 from metadata_edit import reseal_metadata
 
 import shardkit.checkpoint as dcp
 from shardkit.checkpoint import CorruptCheckpointError
 from shardkit.checkpoint import format_utils as fu
 from shardkit.checkpoint._core import _validate
-from shardkit.cli import main
 
 EXIT_DAMAGED = 3
-
-
-def shardkit(*args, code):
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        got = main([str(a) for a in args])
-    result = SimpleNamespace(returncode=got, stdout=out.getvalue(), stderr=err.getvalue())
-    assert got == code, (got, result.stdout, result.stderr)
-    assert "Traceback" not in result.stderr
-    return result
 
 
 def _error_line(result):

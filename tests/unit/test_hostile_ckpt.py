@@ -8,11 +8,11 @@ are what is tested; ``test_metadata_checksum_*`` covers unsealed edits.
 
 import json
 import os
-import signal
 
 import pytest
 import torch
 from column_planner import ColumnPlanner
+from hostile import fail_after
 from metadata_edit import reseal_metadata
 
 import shardkit.checkpoint as dcp
@@ -21,11 +21,8 @@ from shardkit.checkpoint._core._validate import MAX_NESTING
 
 @pytest.fixture(autouse=True)
 def _no_hang():
-    """Nothing here may block: a FIFO opened for reading without a writer would."""
-    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("blocked for 20 s"))
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
+    with fail_after(20):
+        yield
 
 
 def _state():

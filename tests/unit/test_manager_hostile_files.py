@@ -4,21 +4,18 @@ nested too deeply never escapes as RecursionError, and nothing stops the run's s
 from __future__ import annotations
 
 import os
-import signal
 
 import pytest
 import torch
+from hostile import fail_after
 
 from shardkit.checkpoint import BestN, CheckpointError, CheckpointManager, LocalTier
 
 
 @pytest.fixture(autouse=True)
 def _no_hang():
-    """Opening a FIFO for reading blocks until a writer comes: fail instead of hanging."""
-    signal.signal(signal.SIGALRM, lambda *a: pytest.fail("blocked for 20 s"))
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
+    with fail_after(20):
+        yield
 
 
 def _state(value: float) -> dict:
