@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from .. import runtime
-from ._errors import CommHookError
+from ._errors import CommHookError, NothingToTrainError
 from ._grad_bucket import GradBucket
 from ._join import DDPJoinHook, exchange
 from ._reducer import Reducer
@@ -91,7 +91,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"dim must be an int, got {dim!r}")
-        if device_ids is not None and len(device_ids) != 1:
+        if device_ids is not None and len(device_ids) > 1:  # [] is None, as torch
             raise ValueError(
                 f"device_ids must be None or name this rank's one device, got {device_ids!r}"
             )
@@ -112,7 +112,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError(
+            raise NothingToTrainError(
                 "DistributedDataParallel needs a module with at least one parameter that "
                 "requires grad; there is nothing to average"
             )

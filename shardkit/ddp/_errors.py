@@ -1,8 +1,8 @@
-"""DDP's error class for communication-hook mistakes."""
+"""DDP's error classes: communication-hook mistakes, and a module with nothing to train."""
 
 from __future__ import annotations
 
-__all__ = ["CommHookError"]
+__all__ = ["CommHookError", "NothingToTrainError"]
 
 
 class CommHookError(TypeError, ValueError, RuntimeError):
@@ -10,4 +10,12 @@ class CommHookError(TypeError, ValueError, RuntimeError):
 
     torch raises RuntimeError, ValueError or TypeError for these; this class is all
     three, so ``except`` clauses written for torch's DDP catch it.
+    """
+
+
+class NothingToTrainError(ValueError, RuntimeError):
+    """DDP around a module with no parameter that requires grad.
+
+    torch raises RuntimeError; shardkit raised ValueError (a wrong argument). This class
+    is both, so either ``except`` clause catches it.
     """

@@ -11,6 +11,7 @@ the results back into ``.grad``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Callable
@@ -108,6 +109,7 @@ class Reducer:
         self.had_grad = [False] * len(params)
         self.unused: list[int] = []
         self.callback_queued = False
+        self.output_hooks: list = []
         self.next_launch = 0
         self.backwards_done = 0
         ref = weakref.ref(self)
@@ -141,21 +143,58 @@ class Reducer:
             used = _params_reached(outputs)
             self.unused = [i for i, p in enumerate(self.params) if id(p) not in used]
         self.armed = True
+        self._hook_outputs(outputs)
+
+    def _hook_outputs(self, outputs) -> None:
+        """Queue the end-of-backward step from the outputs' own backward nodes.
+
+        The end of the graph task a callback is queued on is where it runs. A gradient
+        may first arrive inside a nested backward (reentrant activation checkpointing
+        around the last layer), whose task ends long before the outer one: queued
+        there, the step would run with most gradients missing. The outputs' nodes run in
+        the outer backward, so their pre-hook queues on it; the first gradient queues
+        only when no output node ran (a backward through something else).
+        """
+        for h in self.output_hooks:
+            h.remove()
+        nodes = {id(t.grad_fn): t.grad_fn for t in _tensors_in(outputs) if t.grad_fn is not None}
+
+        ref = weakref.ref(self)  # the graph must not keep the reducer alive
+
+        def start(*_args) -> None:
+            reducer = ref()
+            if reducer is not None:
+                with reducer.lock:
+                    if reducer.armed:
+                        reducer._start_backward()
+
+        self.output_hooks = [node.register_prehook(start) for node in nodes.values()]
+
+    def _start_backward(self) -> None:
+        """Once per backward: queue the end-of-backward step, mark unused parameters."""
+        if self.callback_queued:
+            return
+        self.callback_queued = True
+        for h in self.output_hooks:
+            h.remove()
+        self.output_hooks = []
+        torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
+        for j in self.unused:
+            self._mark_ready(j)
 
     def on_grad_ready(self, i: int) -> None:
         with self.lock:
             if not self.armed:
                 return
-            if not self.callback_queued:
-                self.callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
-                for j in self.unused:
-                    self._mark_ready(j)
+            self._start_backward()
             if self.ready[i]:
                 raise RuntimeError(
                     f"DDP: parameter {self.names[i]!r} received a gradient after it was "
                     f"marked unused (not reachable from the last forward's outputs); "
-                    f"run one forward per backward, or combine the outputs in one forward"
+                    f"run one forward per backward, or combine the outputs in one forward. "
+                    f"Parameters inside reentrant activation checkpointing "
+                    f"(use_reentrant=True) are invisible to the graph walk of "
+                    f"find_unused_parameters / static_graph: use use_reentrant=False"
                 )
             self._mark_ready(i)
 
@@ -301,21 +340,31 @@ def _make_param_hook(ref: weakref.ref, i: int):
     return hook
 
 
-def _params_reached(outputs) -> set[int]:
-    """ids of the leaf tensors the autograd graph of ``outputs`` accumulates into."""
-    stack, seen, found = [], set(), set()
-    todo = [outputs]
+def _tensors_in(outputs) -> list[torch.Tensor]:
+    """The tensors in a forward's outputs: in lists, tuples, dicts and dataclasses (as
+    torch's DDP finds them; a model output such as transformers' is a dict)."""
+    found, todo = [], [outputs]
     while todo:
         obj = todo.pop()
         if isinstance(obj, torch.Tensor):
-            if obj.grad_fn is not None:
-                stack.append(obj.grad_fn)
-            elif obj.requires_grad:
-                found.add(id(obj))
+            found.append(obj)
         elif isinstance(obj, (list, tuple)):
             todo.extend(obj)
         elif isinstance(obj, dict):
             todo.extend(obj.values())
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            todo.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
+    return found
+
+
+def _params_reached(outputs) -> set[int]:
+    """ids of the leaf tensors the autograd graph of ``outputs`` accumulates into."""
+    stack, seen, found = [], set(), set()
+    for t in _tensors_in(outputs):
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            found.add(id(t))
     while stack:
         fn = stack.pop()
         if fn in seen:

@@ -3,6 +3,7 @@
 Each scenario runs both DDPs on the same model, data and hook, and compares final
 weights, key sets, orders and exception classes. Every case has a hard time limit."""
 
+import dataclasses
 import inspect
 
 import numpy as np
@@ -422,3 +423,62 @@ def test_grad_bucket_and_ddp_public_methods_exist_like_torch():
     assert list(inspect.signature(DistributedDataParallel.join).parameters) == list(
         inspect.signature(TorchDDP.join).parameters
     )
+
+
+# -- outputs and backward shapes torch's DDP handles ------------------------------------------
+class _CheckpointedHead(nn.Module):
+    """Reentrant activation checkpointing around the last layer: its gradients arrive
+    first, inside a nested backward that ends before the rest of the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.b, torch.tanh(self.a(x)), use_reentrant=True)
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+
+
+class _DataclassOut(Net):
+    """A forward returning a dataclass, with a parameter it never uses."""
+
+    def forward(self, x):
+        return _Out(super().forward(x))
+
+
+def _outputs_body():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from shardkit.ddp import DistributedDataParallel as DDP
+
+    out = {}
+    for case, make, kwargs in (
+        ("reentrant_checkpoint", _CheckpointedHead, {}),
+        ("dataclass_output", lambda: _DataclassOut(unused=True), {"find_unused_parameters": True}),
+    ):
+        got = []
+        for cls in (DDP, TorchDDP):
+            torch.manual_seed(0)
+            model = cls(make(), **kwargs)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                opt.zero_grad()
+                y = model(_batch(step, dist.get_rank()))
+                (y.y if isinstance(y, _Out) else y).square().mean().backward()
+                opt.step()
+            got.append({k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()})
+        out[case] = got
+    return out
+
+
+def test_reentrant_checkpointing_and_dataclass_outputs_match_torch():
+    for rank in run_ranks(_outputs_body, WORLD, timeout=110):
+        for case, (ours, ref) in rank.items():
+            assert _same(ours, ref, tol=1e-6), case

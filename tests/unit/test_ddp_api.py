@@ -124,12 +124,19 @@ def test_find_unused_parameters_leaves_unused_grads_none():
         (dict(process_group="world"), TypeError, "process_group"),
         (dict(device_ids=[0, 1]), ValueError, "device_ids"),
         (dict(module=nn.ReLU()), ValueError, "at least one parameter"),
+        (dict(module=nn.ReLU()), RuntimeError, "at least one parameter"),  # torch's class
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs, error, match):
     module = kwargs.pop("module", _mlp())
     with pytest.raises(error, match=match):
         DDP(module, **kwargs)
+
+
+def test_empty_device_ids_mean_none_as_torch():
+    ddp = DDP(_mlp(), device_ids=[])
+    ddp(torch.randn(2, 6)).sum().backward()
+    assert all(p.grad is not None for p in ddp.parameters())
 
 
 def test_register_comm_hook_checks():
