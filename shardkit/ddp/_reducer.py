@@ -139,13 +139,14 @@ class Reducer:
         self.next_launch = 0
         self.callback_queued = False
         self.unused = []
+        tensors = _tensors_in(outputs)
         if self.find_unused:
-            used = _params_reached(outputs)
+            used = _params_reached(tensors)
             self.unused = [i for i, p in enumerate(self.params) if id(p) not in used]
         self.armed = True
-        self._hook_outputs(outputs)
+        self._hook_outputs(tensors)
 
-    def _hook_outputs(self, outputs) -> None:
+    def _hook_outputs(self, tensors: list[torch.Tensor]) -> None:
         """Queue the end-of-backward step from the outputs' own backward nodes.
 
         The end of the graph task a callback is queued on is where it runs. A gradient
@@ -157,7 +158,7 @@ class Reducer:
         """
         for h in self.output_hooks:
             h.remove()
-        nodes = {id(t.grad_fn): t.grad_fn for t in _tensors_in(outputs) if t.grad_fn is not None}
+        nodes = {id(t.grad_fn): t.grad_fn for t in tensors if t.grad_fn is not None}
 
         ref = weakref.ref(self)  # the graph must not keep the reducer alive
 
@@ -357,10 +358,10 @@ def _tensors_in(outputs) -> list[torch.Tensor]:
     return found
 
 
-def _params_reached(outputs) -> set[int]:
-    """ids of the leaf tensors the autograd graph of ``outputs`` accumulates into."""
+def _params_reached(tensors: list[torch.Tensor]) -> set[int]:
+    """ids of the leaf tensors the autograd graph of ``tensors`` accumulates into."""
     stack, seen, found = [], set(), set()
-    for t in _tensors_in(outputs):
+    for t in tensors:
         if t.grad_fn is not None:
             stack.append(t.grad_fn)
         elif t.requires_grad:

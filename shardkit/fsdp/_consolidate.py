@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from ..checkpoint._core._validate import is_int
+
 __all__ = [
     "consolidate_sharded_model_checkpoints",
     "consolidate_sharded_state_dicts",
@@ -64,7 +66,7 @@ def _peek_meta(path: str) -> dict:
     with _open(path) as f:
         ckpt = f.obj
     meta = ckpt.get("shard_metadata") if isinstance(ckpt, dict) else None
-    if not isinstance(meta, dict) or not _is_int(meta.get("rank")):
+    if not isinstance(meta, dict) or not is_int(meta.get("rank")):
         raise _bad_file(
             f"{path!r} is not a per-rank FSDP checkpoint: it needs 'model' and "
             "'shard_metadata' entries; remove it or narrow ckpt_suffix"
@@ -120,10 +122,6 @@ def find_rank_files(
             f"(conventionally named {names}; found {sorted(by_rank.values())})"
         )
     return [by_rank[r] for r in range(world)]
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 _FIELDS = {"fqn": str, "shape": list, "slot": int, "replicated": bool, "start": int, "rows": int}
@@ -194,9 +192,9 @@ class _Plan:
             raise _bad_file(f"{where} is a {type(info).__name__}, not a dict")
         for field, kind in _FIELDS.items():
             value = info.get(field)
-            ok = _is_int(value) if kind is int else isinstance(value, kind)
+            ok = is_int(value) if kind is int else isinstance(value, kind)
             if field == "shape":
-                ok = isinstance(value, (list, tuple)) and all(_is_int(n) and n >= 0 for n in value)
+                ok = isinstance(value, (list, tuple)) and all(is_int(n) and n >= 0 for n in value)
             if not ok:
                 raise _bad_file(
                     f"{where}: {field!r} must be "

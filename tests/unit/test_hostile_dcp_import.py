@@ -156,7 +156,7 @@ HOSTILE = {
     "properties=5": (_props_int, r"key 'a': properties is a int, not torch's TensorProperties"),
     "dtype=None": (_dtype_none, r"key 'a': dtype None is not a torch dtype"),
     "size=5": (_size_int, r"key 'a': size 5 is not a list of non-negative integers"),
-    "size overflows": (_size_overflows, r"key 'a': size \[10+, 0\] overflows torch's 64-bit"),
+    "size overflows": (_size_overflows, r"key 'a': shape \[10+, 0\] is larger than torch allows"),
     "chunks=None": (_chunks_none, r"key 'a': chunks is a NoneType, not a list"),
     "chunk outside": (
         _chunk_outside,

@@ -31,7 +31,13 @@ import torch
 
 from ...spmd.layout import Box
 from .._core._errors import CorruptCheckpointError
-from .._core._validate import MAX_METADATA_BYTES, _check_overlaps, check_name
+from .._core._validate import (
+    MAX_METADATA_BYTES,
+    check_name,
+    check_shape,
+    check_tiling,
+    is_int,
+)
 
 __all__ = ["load_dcp_metadata", "safe_dcp_reader", "safe_dcp_planner"]
 
@@ -93,13 +99,9 @@ def _open_regular(path: str, what: str) -> int:
     return fd
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _dims(value: Any, what: str) -> tuple[int, ...]:
     """``value`` (a ``torch.Size``, tuple or list) as a tuple of non-negative ints, else raise."""
-    if not isinstance(value, (tuple, list)) or not all(_is_int(v) and v >= 0 for v in value):
+    if not isinstance(value, (tuple, list)) or not all(is_int(v) and v >= 0 for v in value):
         raise CorruptCheckpointError(f"{what} {value!r:.80} is not a list of non-negative integers")
     return tuple(value)
 
@@ -118,10 +120,7 @@ def _shape_dtype(source: str, key: str, m: Any) -> tuple[tuple[int, ...], torch.
     if not isinstance(dtype, torch.dtype):
         raise CorruptCheckpointError(f"{what}: dtype {dtype!r:.80} is not a torch dtype")
     shape = _dims(getattr(m, "size", None), f"{what}: size")
-    if math.prod(max(s, 1) for s in shape) >= 1 << 63:
-        raise CorruptCheckpointError(
-            f"{what}: size {list(shape)} overflows torch's 64-bit sizes and strides"
-        )
+    check_shape(shape, what)
     return shape, dtype
 
 
@@ -159,14 +158,7 @@ def _check_chunks(source: str, key: str, m: Any, shape: tuple[int, ...], storage
             )
         total += box.numel
         boxes.append((box.offsets, box.ends))
-    numel = math.prod(shape)
-    if total != numel:  # linear, so first; with equal counts a gap implies an overlap
-        raise CorruptCheckpointError(
-            f"{what}: its chunks cover {total} of its {numel} elements (size {list(shape)}): "
-            + ("a chunk is missing" if total < numel else "chunks overlap")
-        )
-    if len(boxes) > 1:
-        _check_overlaps(source, key, ndim, boxes)
+    check_tiling(source, key, shape, total, boxes)
 
 
 def load_dcp_metadata(directory: str) -> Any:
@@ -226,7 +218,7 @@ def load_dcp_metadata(directory: str) -> Any:
                 )
             sizes[name] = st.st_size
         offset, length = getattr(info, "offset", -1), getattr(info, "length", -1)
-        if not (_is_int(offset) and _is_int(length)) or offset < 0 or length < 0:
+        if not (is_int(offset) and is_int(length)) or offset < 0 or length < 0:
             raise CorruptCheckpointError(
                 f"{source}: {name} (key {fqn!r}): bad offset {offset!r:.40} / length {length!r:.40}"
             )

@@ -245,6 +245,28 @@ def _check_overlaps(source: str, key: str, ndim: int, boxes: list) -> None:
         active.append((lo, hi))
 
 
+def check_tiling(source: str, key: str, shape: tuple, total: int, boxes: list) -> None:
+    """In-bounds chunks of tensor ``key`` tile its ``shape``: they cover ``total`` elements,
+    and ``boxes`` (``(offsets, ends)`` of the non-empty ones) do not overlap."""
+    # The count first: it is linear, and in-bounds chunks that cover exactly the tensor's
+    # element count tile it unless two overlap (then some element is missing).
+    numel = math.prod(shape)
+    if total != numel:
+        _fail(
+            source,
+            f"key {key!r}",
+            f"its chunks cover {total} of its {numel} elements (shape {list(shape)}): "
+            + ("a chunk is missing" if total < numel else "chunks overlap"),
+        )
+    if len(boxes) > 1:
+        _check_overlaps(source, key, len(shape), boxes)
+
+
+def is_int(value: Any) -> bool:
+    """An int and not a bool: JSON and pickles give both, and True is no rank or size."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def validate(md: Metadata, source: str) -> None:
     """Check a parsed metadata's structure; fills ``md.headers`` for version 2.
 
@@ -305,18 +327,7 @@ def validate(md: Metadata, source: str) -> None:
             if not all(_HEX16.fullmatch(h) for h in c.checksums):
                 _fail(source, _label(key, c), "a checksum is not 16 lowercase hex digits")
             ranges[c.file].append((c.offset, c.nbytes, (c.name, t.dtype, sizes, c.nbytes)))
-        # The count first: it is linear, and in-bounds chunks that cover exactly the
-        # tensor's element count tile it unless two overlap (then some element is missing).
-        if total != math.prod(shape):
-            _fail(
-                source,
-                f"key {key!r}",
-                f"its chunks cover {total} of its {math.prod(shape)} elements (shape "
-                f"{list(shape)}): "
-                + ("a chunk is missing" if total < math.prod(shape) else "chunks overlap"),
-            )
-        if len(boxes) > 1:
-            _check_overlaps(source, key, ndim, boxes)
+        check_tiling(source, key, shape, total, boxes)
     object_files = set()
     for key, o in md.objects.items():
         check_name(o.file, f"{source}: object {key!r}: file")
