@@ -25,12 +25,33 @@ from typing import Any
 
 _CTX = None
 
+# Imported once by the forkserver, so no rank pays for them again. torch's dispatcher
+# imports torch.distributed.tensor (about a second) the first time a tensor subclass
+# such as ShardedTensor reaches it; transformers takes several seconds. Importing
+# changes no state a test checks: no process group, no threads, no torch op runs.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "numpy",
+    "shardkit.runtime",
+    "shardkit.spmd",
+    "shardkit.checkpoint",
+    "shardkit.fsdp",
+    "shardkit.ddp",
+    "transformers",  # absent without the dev extra: the forkserver skips what fails
+    "transformers.models.bert.modeling_bert",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+]
+
 
 def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "numpy"])
+        _CTX.set_forkserver_preload(_PRELOAD)
     return _CTX
 
 
