@@ -7,9 +7,12 @@ import torch.distributed as dist
 
 __all__ = ["all_gather_flat", "reduce_scatter_flat", "all_reduce_flat", "group_info"]
 
-# torch >= 2.13 renamed the flat collectives; keep working on older releases.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _collective(name: str, older_name: str):
+    """torch's flat collective ``name`` (>= 2.13), else its older name. Looked up at each
+    call, not at import: a profiler or byte counter that wraps ``torch.distributed``'s
+    functions then sees FSDP's collectives whenever shardkit was imported."""
+    return getattr(dist, name, None) or getattr(dist, older_name)
 
 
 class _Done:
@@ -32,7 +35,9 @@ def all_gather_flat(out: torch.Tensor, segment: torch.Tensor, group, world: int)
     if world == 1:
         out.copy_(segment)
         return _Done()
-    return _ALL_GATHER(out, segment, group=group, async_op=True)
+    return _collective("all_gather_single", "all_gather_into_tensor")(
+        out, segment, group=group, async_op=True
+    )
 
 
 def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group, world: int):
@@ -40,7 +45,9 @@ def reduce_scatter_flat(out: torch.Tensor, full: torch.Tensor, group, world: int
     if world == 1:
         out.copy_(full)
         return _Done()
-    return _REDUCE_SCATTER(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        out, full, op=dist.ReduceOp.SUM, group=group, async_op=True
+    )
 
 
 def all_reduce_flat(tensor: torch.Tensor, group, world: int):

@@ -279,3 +279,46 @@ def _check_memory(res, world):
         assert z3["prefetched"] >= 5  # 3 forward + >= 2 backward prefetches overlapped
         peak, peak_non_root = rank_out["root_params"]
         assert peak_non_root <= 2 and peak <= 3
+
+
+def _collectives_seen_by_a_wrapper_installed_after_import():
+    import torch.distributed as dist
+
+    from shardkit.fsdp import FSDP  # imported before the wrap
+
+    seen = []
+    originals = {}
+    for name in (
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+    ):
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            seen.append(_name)
+            return _original(*args, **kwargs)
+
+        originals[name] = original
+        setattr(dist, name, counted)
+    try:
+        torch.manual_seed(0)
+        model = FSDP(nn.Linear(4, 6))
+        model(torch.randn(3, 4)).sum().backward()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return sorted(set(n.split("_")[0] for n in seen))
+
+
+def test_a_collective_wrapper_installed_after_import_sees_fsdp_traffic():
+    """A profiler or byte counter wrapping torch.distributed's functions after shardkit
+    was imported sees FSDP's all-gathers and reduce-scatters (they were bound at import,
+    so such a counter reported 0 bytes for FSDP)."""
+    assert (
+        run_ranks(_collectives_seen_by_a_wrapper_installed_after_import, 2)
+        == [["all", "reduce"]] * 2
+    )
