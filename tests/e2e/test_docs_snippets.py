@@ -10,16 +10,23 @@ just before it (its prose says so): it runs appended to them, as one script, and
 script (the longest of the chain) stands for the chain's earlier blocks. Examples under
 ``examples/`` must import without starting to train, and run both ways.
 
-Blocks run two at a time (the suite's budget is two cores); one doc file is one test.
+One doc file, or one example, is one test. Their runs start in the background as soon as
+collection ends, two at a time, and use the cores the rest of the suite leaves idle; each
+test waits for its own runs (so its reported duration is only what was left to wait for).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -57,51 +64,175 @@ def scripts_to_run(path: Path) -> list[tuple[str, str]]:
     return chains
 
 
+RUN_TIMEOUT_S = 240
+_LIVE: set[subprocess.Popen] = set()  # runs in flight, killed if the session ends first
+_LIVE_LOCK = threading.Lock()
+
+
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    """Run ``cmd``; on timeout kill its whole process group (torchrun's workers too)."""
+    with subprocess.Popen(
         cmd,
         cwd=cwd,
         env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=180,
+    ) as proc:
+        with _LIVE_LOCK:
+            _LIVE.add(proc)
+        try:
+            out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            out, _ = proc.communicate()
+            out += f"\n[killed after {RUN_TIMEOUT_S} s]"
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: torchrun's workers sit in sessions of their own."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in children.read_text().split()]
+            except OSError:  # the task ended meanwhile
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and everything it started, so no worker holds the output pipe."""
+    for pid in [*_descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+HOWS = ("python", "torchrun --nproc-per-node 2")
+
+
+def _command(how: str, script: Path, args: list[str]) -> list[str]:
+    return (
+        [sys.executable, str(script), *args] if how == "python" else torchrun_cmd(script, 2, *args)
     )
 
 
-def run_block(code: str, where: str, tmp: Path) -> list[str]:
-    """Run one block both ways; the failures, each with the block's output."""
-    script = tmp / "block.py"
-    script.write_text(code)
+def run_job(label: str, how: str, script: Path, runs: list[list[str]], cwd: Path) -> list[str]:
+    """Run ``script`` one way, once per argument list in ``runs``, in order, in ``cwd``;
+    the failures, each with the run's output. Every run must exit 0 and print something."""
+    cwd.mkdir(parents=True)
     failures = []
-    for how, cmd in (
-        ("python", [sys.executable, str(script)]),
-        ("torchrun --nproc-per-node 2", torchrun_cmd(script, 2)),
-    ):
-        cwd = tmp / how.split()[0]
-        cwd.mkdir()
-        result = _run(cmd, cwd)
+    for args in runs:
+        result = _run(_command(how, script, [a.format(d=cwd) for a in args]), cwd)
+        name = f"{label} {args} as {how}" if args else f"{label} as {how}"
         if result.returncode != 0:
-            failures.append(f"{where} as {how}: exit {result.returncode}\n{result.stdout[-2500:]}")
+            failures.append(f"{name}: exit {result.returncode}\n{result.stdout[-2500:]}")
         elif not result.stdout.strip():
-            failures.append(f"{where} as {how}: printed nothing; show what the block did")
+            failures.append(f"{name}: printed nothing; show what it did")
     return failures
 
 
-@pytest.mark.parametrize("path", [p for p in DOCS if snippets(p)], ids=lambda p: p.name)
-def test_doc_blocks_run_alone_both_ways(path, tmp_path):
+def run_block(code: str, where: str, tmp: Path) -> list[str]:
+    """Run one block both ways, one after the other; the failures."""
+    script = tmp / "block.py"
+    script.write_text(code)
+    return [f for how in HOWS for f in run_job(where, how, script, [[]], tmp / how.split()[0])]
+
+
+# Each example, with small arguments ({d}: its run's directory), both as ``python`` and under
+# torchrun; train_with_manager.py runs both ways in test_manager_example / test_torchrun.
+EXAMPLE_RUNS = {
+    "ddp_digits.py": [["--epochs", "1"]],
+    "fsdp_digits.py": [["--epochs", "1", "--out", "{d}/out"]],
+    "spmd_fsdp.py": [["--steps", "2"]],
+    "spmd_tensor_parallel.py": [["--steps", "2"]],
+    "checkpoint_reshard.py": [["save", "{d}/ckpt"], ["load", "{d}/ckpt"]],
+}
+DOCS_WITH_BLOCKS = [p for p in DOCS if snippets(p)]
+
+# Every run is its own process tree, so no run waits for a test: the runs of every selected
+# test of this module start in the background when collection ends (see tests/conftest.py),
+# in the tests' order, and fill the cores the in-process tests leave idle; each test then
+# waits for its own runs. Two at a time: a torchrun run is three processes.
+NUM_PARALLEL_RUNS = 2
+_SCHEDULED: dict[str, list[Future]] = {}
+
+
+def _jobs(test: str, tmp: Path) -> list[tuple]:
+    """``run_job`` arguments for the test named ``test`` (its parameter id)."""
+    jobs = []
+    if test in EXAMPLE_RUNS:
+        script = ROOT / "examples" / test
+        for how in reversed(HOWS):
+            jobs.append((test, how, script, EXAMPLE_RUNS[test], tmp / test / how.split()[0]))
+        return jobs
+    path = next(p for p in DOCS_WITH_BLOCKS if p.name == test)
+    for i, (code, where) in enumerate(scripts_to_run(path)):
+        script = tmp / test / str(i) / "block.py"
+        script.parent.mkdir(parents=True)
+        script.write_text(code)
+        for how in reversed(HOWS):
+            jobs.append((where, how, script, [[]], script.parent / how.split()[0]))
+    return jobs
+
+
+def _test_id(item) -> str | None:
+    prefixes = ("test_doc_blocks_run_alone_both_ways[", "test_examples_run_both_ways[")
+    return item.name.split("[", 1)[1][:-1] if item.name.startswith(prefixes) else None
+
+
+def start_runs(items: list, config) -> None:
+    """Start, in the background, the runs of the tests of this module among ``items``.
+    Called by tests/conftest.py once collection is done."""
+    tests = [t for t in map(_test_id, items) if t is not None and t not in _SCHEDULED]
+    if not tests:
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="shardkit-doc-runs-"))
+    pool = ThreadPoolExecutor(NUM_PARALLEL_RUNS, thread_name_prefix="doc-run")
+    for test in tests:
+        _SCHEDULED[test] = [pool.submit(run_job, *job) for job in _jobs(test, tmp)]
+
+    def stop() -> None:  # a session that ends early starts no more runs and kills its own
+        pool.shutdown(wait=False, cancel_futures=True)
+        with _LIVE_LOCK:
+            for proc in list(_LIVE):
+                _kill(proc)
+        pool.shutdown(wait=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    config.add_cleanup(stop)
+
+
+@pytest.fixture
+def scheduled(request, tmp_path) -> dict[str, list[Future]]:
+    """Test id -> futures of its runs' failures; runs the test's own now if the
+    collection hook did not start them (as when the module is run without conftest)."""
+    test = _test_id(request.node)
+    if test not in _SCHEDULED:
+        with ThreadPoolExecutor(NUM_PARALLEL_RUNS) as pool:
+            _SCHEDULED[test] = [pool.submit(run_job, *job) for job in _jobs(test, tmp_path)]
+    return _SCHEDULED
+
+
+def _failures(futures) -> list[str]:
+    return [f for future in futures for f in future.result()]
+
+
+@pytest.mark.parametrize("path", DOCS_WITH_BLOCKS, ids=lambda p: p.name)
+def test_doc_blocks_run_alone_both_ways(path, scheduled):
     for is_fragment, line, code in snippets(path):
         if is_fragment:
             compile(code, f"{path.name}:{line}", "exec")
-    runnable = scripts_to_run(path)
-    dirs = [tmp_path / str(i) for i in range(len(runnable))]
-    for d in dirs:
-        d.mkdir()
-    with ThreadPoolExecutor(2) as pool:
-        failures = pool.map(
-            lambda args: run_block(*args), [(*r, d) for r, d in zip(runnable, dirs)]
-        )
-        failures = [f for fs in failures for f in fs]
+    failures = _failures(scheduled[path.name])
     assert not failures, "\n\n".join(failures)
 
 
@@ -149,27 +280,6 @@ def test_examples_import_without_training():
     assert not bad, bad
 
 
-if __name__ == "__main__":  # python tests/e2e/test_docs_snippets.py [DOC.md ...]: failures only
-    import tempfile
-
-    for name in sys.argv[1:] or [p.name for p in DOCS]:
-        path = next(p for p in DOCS if p.name == name)
-        for code, where in scripts_to_run(path):
-            for failure in run_block(code, where, Path(tempfile.mkdtemp())):
-                print(failure, "\n")
-
-
-# Each example, with small arguments ({d}: a fresh directory), both as ``python`` and under
-# torchrun; train_with_manager.py runs both ways in test_manager_example / test_torchrun.
-EXAMPLE_RUNS = {
-    "ddp_digits.py": [["--epochs", "1"]],
-    "fsdp_digits.py": [["--epochs", "1", "--out", "{d}/out"]],
-    "spmd_fsdp.py": [["--steps", "2"]],
-    "spmd_tensor_parallel.py": [["--steps", "2"]],
-    "checkpoint_reshard.py": [["save", "{d}/ckpt"], ["load", "{d}/ckpt"]],
-}
-
-
 def test_every_example_has_a_run():
     assert sorted(EXAMPLE_RUNS) == sorted(
         p.name for p in EXAMPLES if p.name != "train_with_manager.py"
@@ -177,27 +287,14 @@ def test_every_example_has_a_run():
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLE_RUNS))
-def test_examples_run_both_ways(name, tmp_path):
-    script = ROOT / "examples" / name
-
-    def both(how: str) -> list[str]:
-        d = tmp_path / how
-        d.mkdir()
-        out = []
-        for args in EXAMPLE_RUNS[name]:
-            args = [a.format(d=d) for a in args]
-            cmd = (
-                [sys.executable, str(script), *args]
-                if how == "python"
-                else torchrun_cmd(script, 2, *args)
-            )
-            result = _run(cmd, d)
-            if result.returncode != 0:
-                out.append(
-                    f"{name} {args} as {how}: exit {result.returncode}\n{result.stdout[-3000:]}"
-                )
-        return out
-
-    with ThreadPoolExecutor(2) as pool:
-        failures = [f for fs in pool.map(both, ["python", "torchrun"]) for f in fs]
+def test_examples_run_both_ways(name, scheduled):
+    failures = _failures(scheduled[name])
     assert not failures, "\n\n".join(failures)
+
+
+if __name__ == "__main__":  # python tests/e2e/test_docs_snippets.py [DOC.md ...]: failures only
+    for name in sys.argv[1:] or [p.name for p in DOCS]:
+        path = next(p for p in DOCS if p.name == name)
+        for code, where in scripts_to_run(path):
+            for failure in run_block(code, where, Path(tempfile.mkdtemp())):
+                print(failure, "\n")
