@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..checkpoint._core._validate import is_int
+from ..checkpoint._core._format import is_int
 
 __all__ = [
     "consolidate_sharded_model_checkpoints",

@@ -31,13 +31,8 @@ import torch
 
 from ...spmd.layout import Box
 from .._core._errors import CorruptCheckpointError
-from .._core._validate import (
-    MAX_METADATA_BYTES,
-    check_name,
-    check_shape,
-    check_tiling,
-    is_int,
-)
+from .._core._format import is_int
+from .._core._validate import MAX_METADATA_BYTES, check_name, check_shape, check_tiling
 
 __all__ = ["load_dcp_metadata", "safe_dcp_reader", "safe_dcp_planner"]
 

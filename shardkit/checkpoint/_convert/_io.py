@@ -19,7 +19,13 @@ import torch
 from tqdm import tqdm
 
 from .._core._errors import CheckpointError, CorruptCheckpointError
-from .._core._format import SAFETENSORS_DTYPES, Metadata, decode_value, safetensors_dtype
+from .._core._format import (
+    SAFETENSORS_DTYPES,
+    Metadata,
+    decode_value,
+    is_int,
+    safetensors_dtype,
+)
 from .._core._load import load, load_with_metadata
 from .._core._planner import DefaultLoadPlanner
 from .._core._storage import FileSystemReader
@@ -265,9 +271,7 @@ def _entry(name: str, key: str, info: Any) -> tuple:
     """``(shape, dtype, start, end)`` of one header entry, every field checked."""
 
     def ints(value: Any) -> bool:
-        return isinstance(value, list) and all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-        )
+        return isinstance(value, list) and all(is_int(v) and v >= 0 for v in value)
 
     if not isinstance(info, dict):
         raise CorruptCheckpointError(f"{name}: key {key!r}: header entry is not an object")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...spmd.layout import Box
+from ._format import is_int
 from ._planner import WriteItem
 from ._storage import StorageWriter
 
@@ -60,7 +61,7 @@ def cap_files(bins: list[list[WriteItem]], cap: int | None) -> list[list[WriteIt
 def max_file_bytes(writer: StorageWriter) -> int | None:
     """The writer's cap on a data file's tensor bytes, checked; None for no cap."""
     cap = getattr(writer, "max_file_bytes", None)
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+    if cap is not None and (not is_int(cap) or cap < 1):
         raise ValueError(f"{writer!r}: max_file_bytes must be a positive int or None, got {cap!r}")
     return cap
 

@@ -418,8 +418,13 @@ class Metadata:
             ) from None
 
 
+def is_int(value: Any) -> bool:
+    """An int and not a bool: JSON and pickles give both, and True is no rank or size."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"expected an integer, got {value!r:.40}")
     return value
 

@@ -262,11 +262,6 @@ def check_tiling(source: str, key: str, shape: tuple, total: int, boxes: list) -
         _check_overlaps(source, key, len(shape), boxes)
 
 
-def is_int(value: Any) -> bool:
-    """An int and not a bool: JSON and pickles give both, and True is no rank or size."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def validate(md: Metadata, source: str) -> None:
     """Check a parsed metadata's structure; fills ``md.headers`` for version 2.
 
