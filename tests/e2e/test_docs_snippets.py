@@ -70,7 +70,7 @@ _LIVE_LOCK = threading.Lock()
 
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """Run ``cmd``; on timeout kill its whole process group (torchrun's workers too)."""
+    """Run ``cmd``; on timeout kill it and every process it started (torchrun's workers)."""
     with subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -141,13 +141,6 @@ def run_job(label: str, how: str, script: Path, runs: list[list[str]], cwd: Path
     return failures
 
 
-def run_block(code: str, where: str, tmp: Path) -> list[str]:
-    """Run one block both ways, one after the other; the failures."""
-    script = tmp / "block.py"
-    script.write_text(code)
-    return [f for how in HOWS for f in run_job(where, how, script, [[]], tmp / how.split()[0])]
-
-
 # Each example, with small arguments ({d}: its run's directory), both as ``python`` and under
 # torchrun; train_with_manager.py runs both ways in test_manager_example / test_torchrun.
 EXAMPLE_RUNS = {
@@ -213,14 +206,14 @@ def start_runs(items: list, config) -> None:
 
 
 @pytest.fixture
-def scheduled(request, tmp_path) -> dict[str, list[Future]]:
-    """Test id -> futures of its runs' failures; runs the test's own now if the
-    collection hook did not start them (as when the module is run without conftest)."""
+def scheduled(request, tmp_path) -> list[Future]:
+    """Futures of this test's runs' failures; runs them now if the collection hook did not
+    start them (as when the module is run without conftest)."""
     test = _test_id(request.node)
     if test not in _SCHEDULED:
         with ThreadPoolExecutor(NUM_PARALLEL_RUNS) as pool:
             _SCHEDULED[test] = [pool.submit(run_job, *job) for job in _jobs(test, tmp_path)]
-    return _SCHEDULED
+    return _SCHEDULED[test]
 
 
 def _failures(futures) -> list[str]:
@@ -232,7 +225,7 @@ def test_doc_blocks_run_alone_both_ways(path, scheduled):
     for is_fragment, line, code in snippets(path):
         if is_fragment:
             compile(code, f"{path.name}:{line}", "exec")
-    failures = _failures(scheduled[path.name])
+    failures = _failures(scheduled)
     assert not failures, "\n\n".join(failures)
 
 
@@ -288,13 +281,12 @@ def test_every_example_has_a_run():
 
 @pytest.mark.parametrize("name", sorted(EXAMPLE_RUNS))
 def test_examples_run_both_ways(name, scheduled):
-    failures = _failures(scheduled[name])
+    failures = _failures(scheduled)
     assert not failures, "\n\n".join(failures)
 
 
 if __name__ == "__main__":  # python tests/e2e/test_docs_snippets.py [DOC.md ...]: failures only
-    for name in sys.argv[1:] or [p.name for p in DOCS]:
-        path = next(p for p in DOCS if p.name == name)
-        for code, where in scripts_to_run(path):
-            for failure in run_block(code, where, Path(tempfile.mkdtemp())):
+    for name in sys.argv[1:] or [p.name for p in DOCS_WITH_BLOCKS]:
+        for job in _jobs(name, Path(tempfile.mkdtemp())):
+            for failure in run_job(*job):
                 print(failure, "\n")
