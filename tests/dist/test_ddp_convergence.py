@@ -6,7 +6,9 @@ bytes each hook hands to collectives per step are reported.
 
 from harness import run_ranks
 
-EPOCHS = 30
+# 15 epochs (330 steps, 310 of them compressed by PowerSGD): all-reduce reaches 0.964 test
+# accuracy (0.969 after 30), powerSGD_r2 0.964, batched_powerSGD_r8 0.944.
+EPOCHS = 15
 PER_RANK_BATCH = 32
 
 
