@@ -136,31 +136,39 @@ class _Plan:
     parameters, so a file rewritten in between is an error, never uninitialised rows.
     """
 
-    def __init__(self, paths: list[str], ref: dict | None = None) -> None:
-        self.paths = paths
+    def __init__(self, paths: list[str], ref: dict | None = None, *, files: bool = True) -> None:
         self.ref = ref  # key -> (fqn, shape, slot, replicated, dtype), from rank 0
         self.next_row: dict[str, int] = {}
+        # how errors name things: rank files, or state dicts passed in memory
+        self.model_name = "'model'" if files else "its state dict"
+        self.ref_name = "rank 0's file" if files else "state dict 0"
+        self.all_name = (
+            f"the {len(paths)} rank files {paths[0]!r} ... {paths[-1]!r}"
+            if files
+            else f"the {len(paths)} state dicts"
+        )
 
-    def add(self, path: str, rank: int, model, meta: dict) -> dict:
-        """Check one rank file; returns its ``params`` (key -> checked info)."""
+    def add(self, source: str, rank: int, model, meta: dict) -> dict:
+        """Check one rank's state dict ``model`` (named ``source`` in errors) and its
+        ``meta``; returns its ``params`` (key -> checked info)."""
         params, buffers = meta.get("params"), meta.get("buffers")
         if not isinstance(params, dict) or not isinstance(buffers, dict):
             raise _bad_file(
-                f"{path!r}: shard_metadata needs 'params' and 'buffers' dicts, got "
+                f"{source}: shard_metadata needs 'params' and 'buffers' dicts, got "
                 f"{type(params).__name__} and {type(buffers).__name__}"
             )
         if not isinstance(model, dict):
-            raise _bad_file(f"{path!r}: 'model' is a {type(model).__name__}, not a dict")
-        spec = {key: self._param(path, key, info, model) for key, info in params.items()}
+            raise _bad_file(f"{source}: {self.model_name} is a {type(model).__name__}, not a dict")
+        spec = {key: self._param(source, key, info, model) for key, info in params.items()}
         if self.ref is None:
-            self.ref = self._reference(path, spec)
+            self.ref = self._reference(source, spec)
         if rank == 0:
-            self._buffers(path, buffers, model)
+            self._buffers(source, buffers, model)
         missing = sorted(set(self.ref) - set(spec), key=repr)
         extra = sorted(set(spec) - set(self.ref), key=repr)
         if missing or extra:
             raise _bad_file(
-                f"{path!r}: its shard metadata describes other parameters than rank 0's "
+                f"{source}: its shard metadata describes other parameters than rank 0's "
                 f"(missing {missing[:5]}{'...' if len(missing) > 5 else ''}, extra "
                 f"{extra[:5]}{'...' if len(extra) > 5 else ''})"
             )
@@ -168,8 +176,8 @@ class _Plan:
             want = self.ref[key]
             if (fqn, shape, slot, replicated, dtype) != want:
                 raise _bad_file(
-                    f"{path!r}: {key!r} is {fqn!r} of shape {list(shape)} (slot {slot}, "
-                    f"replicated={replicated}, {dtype}), but rank 0's file says {want[0]!r} "
+                    f"{source}: {key!r} is {fqn!r} of shape {list(shape)} (slot {slot}, "
+                    f"replicated={replicated}, {dtype}), but {self.ref_name} says {want[0]!r} "
                     f"of shape {list(want[1])} (slot {want[2]}, replicated={want[3]}, "
                     f"{want[4]})"
                 )
@@ -179,15 +187,14 @@ class _Plan:
             if start != expect:
                 what = "overlap them" if start < expect else f"leave rows {expect}..{start - 1} out"
                 raise _bad_file(
-                    f"{path!r}: {key!r} (rank {rank}) starts at row {start}, but the ranks "
+                    f"{source}: {key!r} (rank {rank}) starts at row {start}, but the ranks "
                     f"before it end at row {expect}: its rows would {what}"
                 )
             self.next_row[key] = start + rows
         return params
 
-    @staticmethod
-    def _param(path: str, key, info, model) -> tuple:
-        where = f"{path!r}: shard metadata of {key!r}"
+    def _param(self, source: str, key, info, model) -> tuple:
+        where = f"{source}: shard metadata of {key!r}"
         if not isinstance(info, dict):
             raise _bad_file(f"{where} is a {type(info).__name__}, not a dict")
         for field, kind in _FIELDS.items():
@@ -212,17 +219,19 @@ class _Plan:
                 )
         shard = model.get(key)
         if not isinstance(shard, torch.Tensor):
-            raise _bad_file(f"{path!r}: shard metadata names {key!r}, missing from 'model'")
+            raise _bad_file(
+                f"{source}: shard metadata names {key!r}, missing from {self.model_name}"
+            )
         expected = shape if info["replicated"] else (rows, *shape[1:])
         if tuple(shard.shape) != expected:
             raise _bad_file(
-                f"{path!r}: {key!r} has shape {tuple(shard.shape)}, but its shard metadata "
+                f"{source}: {key!r} has shape {tuple(shard.shape)}, but its shard metadata "
                 f"says {expected}"
             )
         return info["fqn"], shape, info["slot"], info["replicated"], shard.dtype, start, rows
 
     @staticmethod
-    def _reference(path: str, spec: dict) -> dict:
+    def _reference(source: str, spec: dict) -> dict:
         """Rank 0's parameters; tied ones (one slot) agree, no two slots share a name."""
         slots: dict[int, tuple] = {}
         names: dict[str, int] = {}
@@ -230,33 +239,33 @@ class _Plan:
             first = slots.setdefault(slot, (key, shape, replicated, dtype, start, rows))
             if first[1:] != (shape, replicated, dtype, start, rows):
                 raise _bad_file(
-                    f"{path!r}: {key!r} and {first[0]!r} share slot {slot} (tied), but their "
+                    f"{source}: {key!r} and {first[0]!r} share slot {slot} (tied), but their "
                     "shard metadata or shards differ"
                 )
             if names.setdefault(fqn, slot) != slot:
-                raise _bad_file(f"{path!r}: two parameters are both named {fqn!r}")
+                raise _bad_file(f"{source}: two parameters are both named {fqn!r}")
         return {key: v[:5] for key, v in spec.items()}
 
-    def _buffers(self, path: str, buffers: dict, model: dict) -> None:
-        """Rank 0's buffers (the only ones read): tensors of 'model', named apart."""
+    def _buffers(self, source: str, buffers: dict, model: dict) -> None:
+        """Rank 0's buffers (the only ones read): tensors of its state dict, named apart."""
         params = {v[0] for v in self.ref.values()}
         for key, fqn in buffers.items():
             if not isinstance(fqn, str) or not isinstance(model.get(key), torch.Tensor):
                 raise _bad_file(
-                    f"{path!r}: shard metadata names buffer {key!r} ({reprlib.repr(fqn)}), "
-                    "but 'model' holds no tensor under that key"
+                    f"{source}: shard metadata names buffer {key!r} ({reprlib.repr(fqn)}), "
+                    f"but {self.model_name} holds no tensor under that key"
                 )
             if fqn in params:
-                raise _bad_file(f"{path!r}: buffer {key!r} is named {fqn!r}, as a parameter")
+                raise _bad_file(f"{source}: buffer {key!r} is named {fqn!r}, as a parameter")
 
     def finish(self) -> None:
-        """Every sharded parameter's rows all came from some rank file."""
+        """Every sharded parameter's rows all came from some rank."""
         for key, (_fqn, shape, _slot, replicated, _dtype) in (self.ref or {}).items():
             if not replicated and self.next_row.get(key, 0) != shape[0]:
                 end = self.next_row.get(key, 0)
                 raise _bad_file(
                     f"{key!r} (shape {list(shape)}): rows {end}..{shape[0] - 1} are in none of "
-                    f"the {len(self.paths)} rank files {self.paths[0]!r} ... {self.paths[-1]!r}"
+                    f"{self.all_name}"
                 )
 
 
@@ -277,7 +286,7 @@ def _check_rank(f, path: str, rank: int, world: int, plan: _Plan) -> tuple[dict,
             f"{path!r} holds rank {meta.get('rank')} of {meta.get('world_size')} ranks, but "
             f"it was listed as rank {rank} of {world} (was it rewritten meanwhile?)"
         )
-    return model, meta, plan.add(path, rank, model, meta)
+    return model, meta, plan.add(repr(path), rank, model, meta)
 
 
 def _plan(paths: list[str]) -> dict:
@@ -386,42 +395,90 @@ def consolidate_sharded_state_dicts(state_dict_list: list[dict], shard_metadata:
     """Merge every rank's ``model.state_dict()`` (in rank order) into the full state dict.
 
     ``shard_metadata`` is ``model.get_shard_metadata()`` of any rank. Keys of the result
-    are the unwrapped model's names, ready for ``plain_model.load_state_dict``.
+    are the unwrapped model's names, ready for ``plain_model.load_state_dict``. Everything
+    is checked before anything is allocated, as for rank files: a state dict whose keys,
+    shapes or dtypes disagree with ``shard_metadata`` or with state dict 0 is a
+    ``ValueError`` naming the state dict and the key.
     """
     from ..spmd import ShardedTensor
-    from ..spmd.layout import chunk_bounds
 
+    if not isinstance(shard_metadata, dict):
+        raise TypeError(
+            "shard_metadata must be the dict model.get_shard_metadata() returns, got "
+            f"{type(shard_metadata).__name__}"
+        )
     world = shard_metadata.get("world_size")
+    if not isinstance(state_dict_list, (list, tuple)) or not is_int(world) or world < 1:
+        raise ValueError(
+            f"need a list of state dicts and shard_metadata['world_size'] >= 1, got a "
+            f"{type(state_dict_list).__name__} and world_size={reprlib.repr(world)}"
+        )
     if len(state_dict_list) != world:
         raise ValueError(
             f"shard_metadata describes {world} ranks but {len(state_dict_list)} state dicts "
             "were given; pass every rank's model.state_dict(), in rank order"
         )
-    params, buffers = shard_metadata["params"], shard_metadata["buffers"]
+    names = [f"state dict {rank}" for rank in range(world)]
+    plan = _Plan(names, files=False)
+    checked = []
+    for rank, state in enumerate(state_dict_list):
+        if not isinstance(state, dict):
+            raise TypeError(f"{names[rank]} is a {type(state).__name__}, not a dict")
+        state = {
+            k: v._local_tensor if isinstance(v, ShardedTensor) else v for k, v in state.items()
+        }
+        meta = _meta_of_rank(shard_metadata, rank, world)
+        params = plan.add(names[rank], rank, state, meta)
+        described = {*params, *meta["buffers"]}
+        stray = [k for k in state if k not in described]
+        if stray:
+            raise _bad_file(
+                f"{names[rank]}: key {stray[0]!r} is not described by shard_metadata; pass "
+                "state dicts and shard metadata of the same model"
+            )
+        checked.append((state, params))
+    plan.finish()
+    slots: dict[int, torch.Tensor] = {}
     full: dict[str, torch.Tensor] = {}
-    for key in state_dict_list[0]:
-        if key in buffers:
-            value = state_dict_list[0][key]
-            full[buffers[key]] = value.detach().clone()
-            continue
-        info = params.get(key)
-        if info is None:
-            raise ValueError(f"state dict key {key!r} is not described by shard_metadata")
-        pieces = []
-        for rank, sd in enumerate(state_dict_list):
-            value = sd[key]
-            if isinstance(value, ShardedTensor):
-                value = value._local_tensor
+    for rank, (state, params) in enumerate(checked):
+        for key, info in params.items():
+            shard = state[key].detach()
+            target = slots.get(info["slot"])
+            if target is None:
+                target = slots[info["slot"]] = torch.empty(info["shape"], dtype=shard.dtype)
             if info["replicated"]:
-                pieces = [value]
-                break
-            rows = chunk_bounds(info["shape"][0], world, rank)[1]
-            if value.shape[0] != rows:
-                raise ValueError(
-                    f"state dict {rank}: {key!r} holds {value.shape[0]} rows, rank {rank} of "
-                    f"{world} holds {rows}; are the state dicts in rank order?"
-                )
-            pieces.append(value.detach())
-        merged = pieces[0].clone() if info["replicated"] else torch.cat(pieces, 0)
-        full[info["fqn"]] = merged.reshape(info["shape"])
-    return full
+                if rank == 0:
+                    target.copy_(shard)
+            elif info["rows"]:
+                target.narrow(0, info["start"], info["rows"]).copy_(shard)
+            full[info["fqn"]] = target
+    state, params = checked[0]
+    buffers = shard_metadata["buffers"]
+    for key, fqn in buffers.items():
+        full[fqn] = state[key].detach().clone()
+    order = {**{k: v["fqn"] for k, v in params.items()}, **buffers}
+    return {order[k]: full[order[k]] for k in state}
+
+
+def _meta_of_rank(meta: dict, rank: int, world: int) -> dict:
+    """``meta`` (any rank's shard metadata) with the rows ``rank`` holds: FSDP splits
+    dim 0 like ``torch.chunk``. Malformed entries pass through for the plan to name."""
+    from ..spmd.layout import chunk_bounds
+
+    params = meta.get("params")
+    if not isinstance(params, dict):
+        return meta
+    mine = {}
+    for key, info in params.items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if (
+            isinstance(shape, (list, tuple))
+            and shape
+            and is_int(shape[0])
+            and shape[0] >= 0
+            and info.get("replicated") is False
+        ):
+            start, rows = chunk_bounds(shape[0], world, rank)
+            info = {**info, "start": start, "rows": rows}
+        mine[key] = info
+    return {**meta, "params": mine}

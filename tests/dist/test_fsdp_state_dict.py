@@ -2,8 +2,8 @@
 
 The seed's CheckpointManager flow, ``{'model': model.state_dict(), 'optim':
 optim.state_dict()}``, saved on 2 ranks restores bit-exactly on 2, 1 and 3 ranks; the
-same state dicts saved per rank with ``torch.save`` (torch_xla's file names) consolidate
-and reload on the same ranks."""
+same state dicts saved per rank with ``torch.save`` (torch_xla's file names) consolidate, from
+the files and in memory, and reload on the same ranks."""
 
 import functools
 
@@ -70,7 +70,7 @@ def _save_body(root):
     import torch.distributed as dist
 
     from shardkit.checkpoint import CheckpointManager
-    from shardkit.fsdp import consolidate_sharded_model_checkpoints
+    from shardkit.fsdp import consolidate_sharded_model_checkpoints, consolidate_sharded_state_dicts
     from shardkit.spmd import ShardedTensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -115,6 +115,12 @@ def _save_body(root):
             f"{root}/", "rank-*-of-*.pth", save_model=False
         )
         out["consolidated"], out["consolidated_path"] = _np(full), path
+        # the same in memory, with the last rank's shard metadata
+        ckpts = [torch.load(f"{root}/rank-{r}-of-{world}.pth", weights_only=True) for r in (0, 1)]
+        merged = consolidate_sharded_state_dicts(
+            [c["model"] for c in ckpts], ckpts[-1]["shard_metadata"]
+        )
+        out["merged_in_memory"] = _np(merged)
     return out
 
 
@@ -160,10 +166,10 @@ def test_per_rank_torch_save_consolidates_and_reloads(saved):
         _assert_same(res["per_rank"], res["full"])
     params = results[0]["full"][0]
     assert results[0]["consolidated_path"] is None
-    consolidated = results[0]["consolidated"]
-    assert list(consolidated) == list(params)
-    for k, v in params.items():
-        assert np.array_equal(consolidated[k], v), k
+    for consolidated in (results[0]["consolidated"], results[0]["merged_in_memory"]):
+        assert list(consolidated) == list(params)
+        for k, v in params.items():
+            assert np.array_equal(consolidated[k], v), k
 
 
 @pytest.mark.parametrize("world", [2, 1, 3])

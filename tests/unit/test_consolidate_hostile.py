@@ -12,7 +12,7 @@ import torch
 
 from shardkit.checkpoint import CorruptCheckpointError
 from shardkit.fsdp import consolidate_sharded_ckpts as cli
-from shardkit.fsdp import consolidate_sharded_model_checkpoints
+from shardkit.fsdp import consolidate_sharded_model_checkpoints, consolidate_sharded_state_dicts
 
 SUFFIX = "_rank-*-of-*.pth"
 
@@ -97,39 +97,132 @@ def test_lying_shard_metadata_is_refused_naming_file_and_parameter(tmp_path, cas
     assert not os.path.exists(prefix + "_consolidated.pth")
 
 
-def test_legit_tied_replicated_and_empty_shards_consolidate(tmp_path):
-    """Tied parameters (two keys, one slot), a replicated 0-d parameter and a rank that
-    holds no rows of a 2-row parameter (3 ranks) still consolidate."""
-    prefix = str(tmp_path / "ok")
+def _tied_replicated_and_empty(rank):
+    """Rank ``rank`` of 3: ``(state_dict, shard_metadata)`` with tied parameters (two keys,
+    one slot), a replicated 0-d parameter, a buffer, and a 2-row parameter of which rank 2
+    holds no rows."""
     emb = torch.arange(12.0).reshape(6, 2)
     head = torch.arange(2.0).reshape(2, 1)
-    for rank in range(3):
-        e_start, e_rows = 2 * rank, 2
-        h_start, h_rows = min(rank, 2), 1 if rank < 2 else 0
-        params = {
-            "_emb": dict(fqn="emb", shape=[6, 2], slot=0, replicated=False, start=e_start,
-                         rows=e_rows),
-            "_out": dict(fqn="out", shape=[6, 2], slot=0, replicated=False, start=e_start,
-                         rows=e_rows),
-            "_head": dict(fqn="head", shape=[2, 1], slot=1, replicated=False, start=h_start,
-                          rows=h_rows),
-            "_scale": dict(fqn="scale", shape=[], slot=2, replicated=True, start=0, rows=1),
-        }  # fmt: skip
-        shard = emb[e_start : e_start + 2].clone()
-        model = {
-            "_emb": shard,
-            "_out": shard,  # tied: the same storage under two keys
-            "_head": head[h_start : h_start + h_rows].clone(),
-            "_scale": torch.tensor(0.5),
-            "_buf": torch.ones(3),
-        }
-        meta = dict(version=1, rank=rank, world_size=3, params=params, buffers={"_buf": "buf"})
+    e_start, e_rows = 2 * rank, 2
+    h_start, h_rows = min(rank, 2), 1 if rank < 2 else 0
+    params = {
+        "_emb": dict(fqn="emb", shape=[6, 2], slot=0, replicated=False, start=e_start,
+                     rows=e_rows),
+        "_out": dict(fqn="out", shape=[6, 2], slot=0, replicated=False, start=e_start,
+                     rows=e_rows),
+        "_head": dict(fqn="head", shape=[2, 1], slot=1, replicated=False, start=h_start,
+                      rows=h_rows),
+        "_scale": dict(fqn="scale", shape=[], slot=2, replicated=True, start=0, rows=1),
+    }  # fmt: skip
+    shard = emb[e_start : e_start + 2].clone()
+    model = {
+        "_emb": shard,
+        "_out": shard,  # tied: the same storage under two keys
+        "_head": head[h_start : h_start + h_rows].clone(),
+        "_scale": torch.tensor(0.5),
+        "_buf": torch.ones(3),
+    }
+    meta = dict(version=1, rank=rank, world_size=3, params=params, buffers={"_buf": "buf"})
+    return model, meta
+
+
+def _check_full(full):
+    assert list(full) == ["emb", "out", "head", "scale", "buf"]
+    assert torch.equal(full["emb"], torch.arange(12.0).reshape(6, 2))
+    assert full["out"] is full["emb"]
+    assert torch.equal(full["head"], torch.arange(2.0).reshape(2, 1))
+    assert torch.equal(full["scale"], torch.tensor(0.5))
+    assert torch.equal(full["buf"], torch.ones(3))
+
+
+def test_legit_tied_replicated_and_empty_shards_consolidate(tmp_path):
+    """The same state dicts consolidate from rank files and from memory."""
+    prefix = str(tmp_path / "ok")
+    ranks = [_tied_replicated_and_empty(rank) for rank in range(3)]
+    for rank, (model, meta) in enumerate(ranks):
         torch.save({"model": model, "shard_metadata": meta}, _file(prefix, rank, 3))
     full, _ = consolidate_sharded_model_checkpoints(prefix, SUFFIX, save_model=False)
-    assert list(full) == ["emb", "out", "head", "scale", "buf"]
-    assert torch.equal(full["emb"], emb) and full["out"] is full["emb"]
-    assert torch.equal(full["head"], head) and torch.equal(full["scale"], torch.tensor(0.5))
-    assert torch.equal(full["buf"], torch.ones(3))
+    _check_full(full)
+    # shard_metadata of any rank will do: each rank's rows follow from the full shapes
+    _check_full(consolidate_sharded_state_dicts([m for m, _ in ranks], ranks[2][1]))
+
+
+def _in_memory(edit=lambda rank, meta, model: None, world=2, rows=2):
+    """The state dicts and rank 0's shard metadata that ``_write`` would save."""
+    states, metas = [], []
+    for rank in range(world):
+        info = dict(shape=[world * rows, 3], replicated=False, rows=rows, start=rank * rows)
+        info.update(slot=0, fqn="w")
+        meta = dict(version=1, rank=rank, world_size=world, params={"_w": info}, buffers={})
+        model = {"_w": torch.full((rows, 3), float(rank + 1))}
+        edit(rank, meta, model)
+        states.append(model)
+        metas.append(meta)
+    return states, metas[0]
+
+
+def _on_rank_1(change):
+    def edit(rank, meta, model):
+        if rank == 1:
+            change(model)
+
+    return edit
+
+
+IN_MEMORY = {  # case: (edit, the exception, what the message names)
+    "a key missing on rank 1": (
+        _on_rank_1(lambda m: m.pop("_w")),
+        "state dict 1: shard metadata names '_w', missing from its state dict",
+    ),
+    "a stray key on rank 1": (
+        _on_rank_1(lambda m: m.update(_x=torch.zeros(1))),
+        "state dict 1: key '_x' is not described by shard_metadata",
+    ),
+    "too many rows on rank 1": (
+        _on_rank_1(lambda m: m.update(_w=torch.zeros(3, 3))),
+        "state dict 1: '_w' has shape (3, 3), but its shard metadata says (2, 3)",
+    ),
+    "other columns on rank 1": (
+        _on_rank_1(lambda m: m.update(_w=torch.zeros(2, 4))),
+        "state dict 1: '_w' has shape (2, 4)",
+    ),
+    "another dtype on rank 1": (
+        _on_rank_1(lambda m: m.update(_w=torch.zeros(2, 3, dtype=torch.float64))),
+        "state dict 1: '_w' is 'w' of shape [4, 3] (slot 0, replicated=False, torch.float64), "
+        "but state dict 0 says",
+    ),
+    "a tera-row shape": (  # refused by its rows, never allocated
+        _set("shape", [10**12, 3], only=0),
+        "state dict 0: '_w' has shape (2, 3), but its shard metadata says (500000000000, 3)",
+    ),
+    "shape not a list": (_set("shape", "ab", only=0), "'shape' must be a list"),
+    "a buffer not in the state dict": (_buffer_missing_from_model, "buffer '_b'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IN_MEMORY))
+def test_in_memory_state_dicts_that_disagree_are_refused_naming_rank_and_key(case):
+    edit, detail = IN_MEMORY[case]
+    states, meta = _in_memory(edit)
+    with pytest.raises(ValueError) as info:
+        consolidate_sharded_state_dicts(states, meta)
+    assert detail in str(info.value), str(info.value)
+
+
+def test_in_memory_arguments_of_the_wrong_kind_are_refused():
+    states, meta = _in_memory()
+    assert torch.equal(
+        consolidate_sharded_state_dicts(states, meta)["w"],
+        torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)]),
+    )
+    with pytest.raises(ValueError, match="describes 2 ranks but 1 state dicts"):
+        consolidate_sharded_state_dicts(states[:1], meta)
+    with pytest.raises(TypeError, match="shard_metadata must be the dict"):
+        consolidate_sharded_state_dicts(states, [meta])
+    with pytest.raises(TypeError, match="state dict 1 is a list, not a dict"):
+        consolidate_sharded_state_dicts([states[0], []], meta)
+    with pytest.raises(ValueError, match="world_size='2'"):
+        consolidate_sharded_state_dicts(states, {**meta, "world_size": "2"})
 
 
 def test_a_file_rewritten_after_the_check_is_refused(tmp_path, monkeypatch):
