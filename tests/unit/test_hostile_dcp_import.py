@@ -191,3 +191,22 @@ def test_the_cli_reports_wrong_field_types_as_a_damaged_checkpoint(tmp_path):
     assert "key 'a': properties is a int" in err.getvalue()
     assert "internal error" not in err.getvalue() and "Traceback" not in err.getvalue()
     assert not os.path.exists(tmp_path / "s")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda n: b"PK\x03\x04" + bytes(n - 4), id="a zip without a directory"),
+        pytest.param(lambda n: b"\x80\x02}q\x00(X" + b"\xff" * (n - 7), id="a broken pickle"),
+    ],
+)
+def test_a_damaged_value_is_refused_naming_its_key(tmp_path, damage):
+    """A non-tensor value is torch.save'd bytes inside a data file; damaged, it raised
+    torch's RuntimeError or a pickle error of whatever kind (the CLI's exit 4)."""
+    md = _torch_dcp(tmp_path / "t", {"a": torch.arange(6.0), "lr": 0.5})
+    info = md.storage_data[MetadataIndex("lr")]
+    data = tmp_path / "t" / info.relative_path
+    raw = bytearray(data.read_bytes())
+    raw[info.offset : info.offset + info.length] = damage(info.length)
+    data.write_bytes(raw)
+    _refused(tmp_path, r"torch DCP value 'lr': not a readable torch.save file")

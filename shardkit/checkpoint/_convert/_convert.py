@@ -29,7 +29,8 @@ from ._io import (
     read_safetensors,
     require_file,
 )
-from ._torch_file import TorchFile, check_views
+from ._legacy import check_legacy
+from ._torch_file import TorchFile, check_views, records, torch_load
 
 __all__ = [
     "dcp_to_torch_save",
@@ -124,21 +125,33 @@ def torch_save_to_dcp(
 def _torch_load(path: str | os.PathLike) -> Any:
     """The file's state; a local zip-format file's tensors are views of a read-only shared
     map (page cache, never a private map charged against committed memory)."""
+    name = os.fspath(path)
     if not is_local(path):
-        with fsspec.open(os.fspath(path), "rb") as f:
-            state = torch.load(f, map_location="cpu", weights_only=True)
-        fs, remote = fsspec.core.url_to_fs(os.fspath(path))
-        check_views(state, os.fspath(path), fs.size(remote))  # before save writes a view
-        return state
-    local = os.fspath(path).removeprefix("file://")
+        fs, remote = fsspec.core.url_to_fs(name)
+        with fs.open(remote, "rb") as f:
+            return _load_whole(f, name, fs.size(remote))
+    local = name.removeprefix("file://")
     with open(local, "rb") as f:
-        legacy = f.read(4) != b"PK\x03\x04"
-    if legacy:  # pre-zip torch.save format: tensors are inside the pickle, read it whole
-        state = torch.load(local, map_location="cpu", weights_only=True)
-        check_views(state, local, os.path.getsize(local))
-        return state
+        if f.read(4) != b"PK\x03\x04":  # pre-zip torch.save format: read it whole
+            return _load_whole(f, local, os.fstat(f.fileno()).st_size)
     with TorchFile(local) as f:
         return f.materialize(f.obj, mapped=True)
+
+
+def _load_whole(f: Any, name: str, size: int) -> Any:
+    """``torch.load`` of an open file, once what it would allocate is checked against the
+    file's ``size``: zip records inside the file, a legacy file's declared storages
+    followed by their bytes; views checked before ``save`` writes them."""
+    f.seek(0)
+    if f.read(4) == b"PK\x03\x04":
+        records(f, name, size)
+    else:
+        f.seek(0)
+        check_legacy(f, name, size)
+    f.seek(0)
+    state = torch_load(f, name, map_location="cpu")
+    check_views(state, name, size)
+    return state
 
 
 def to_safetensors(

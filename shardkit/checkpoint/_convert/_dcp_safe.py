@@ -33,6 +33,7 @@ from ...spmd.layout import Box
 from .._core._errors import CorruptCheckpointError
 from .._core._format import is_int
 from .._core._validate import MAX_METADATA_BYTES, check_name, check_shape, check_tiling
+from ._torch_file import torch_load
 
 __all__ = ["load_dcp_metadata", "safe_dcp_reader", "safe_dcp_planner"]
 
@@ -276,13 +277,7 @@ def safe_dcp_planner():
 
     class _Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            try:
-                obj = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as exc:
-                raise CorruptCheckpointError(
-                    f"torch DCP value {read_item.dest_index.fqn!r}: refused by "
-                    f"torch.load(weights_only=True): {str(exc).splitlines()[0]}"
-                ) from None
+            obj = torch_load(value, f"torch DCP value {read_item.dest_index.fqn!r}")
             fqn = read_item.dest_index.fqn
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], obj)

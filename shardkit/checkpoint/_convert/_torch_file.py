@@ -22,13 +22,13 @@ import torch
 
 from .._core._errors import CorruptCheckpointError
 
-__all__ = ["TorchFile", "check_views"]
+__all__ = ["TorchFile", "check_views", "records", "torch_load"]
 
 _DATA_RE = re.compile(r"^[^/]+/data/[^/]+$")
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 
 
-def _records(f, name: str, size: int) -> dict[int, int]:
+def records(f, name: str, size: int) -> dict[int, int]:
     """Data offset -> byte count of every stored tensor record of the zip archive."""
     try:
         infos = zipfile.ZipFile(f).infolist()
@@ -130,6 +130,21 @@ def check_views(obj: Any, name: str, file_bytes: int) -> None:
         )
 
 
+def torch_load(f: Any, name: str, **kwargs: Any) -> Any:
+    """``torch.load(f, weights_only=True, **kwargs)``. A damaged pickle fails in many ways
+    (``UnpicklingError``, ``KeyError``, ``UnicodeDecodeError``, ...): each is a
+    ``CorruptCheckpointError`` naming the file, never an error that looks like our bug."""
+    try:
+        return torch.load(f, weights_only=True, **kwargs)
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:
+        first = (str(exc).splitlines() or [""])[0]
+        raise CorruptCheckpointError(
+            f"{name}: not a readable torch.save file ({type(exc).__name__}: {first})"
+        ) from exc
+
+
 class TorchFile:
     """A local ``torch.save`` file (zip format): ``obj`` is what ``torch.load`` would
     return, but every tensor is on the meta device until read with :meth:`read_into`,
@@ -151,10 +166,10 @@ class TorchFile:
                         "from torch < 1.6 or _use_new_zipfile_serialization=False); "
                         "re-save it with a current torch.save"
                     )
-                self._records = _records(f, self.path, self.size)
+                self._records = records(f, self.path, self.size)
                 _byteorder(f, self.path)
                 f.seek(0)
-                self.obj: Any = torch.load(f, map_location="meta", weights_only=True)
+                self.obj: Any = torch_load(f, self.path, map_location="meta")
             check_views(self.obj, self.path, self.size)
         except BaseException:
             os.close(self._fd)
