@@ -26,15 +26,18 @@ __all__ = ["TorchFile", "check_views", "records", "torch_load"]
 
 _DATA_RE = re.compile(r"^[^/]+/data/[^/]+$")
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
+# what Python's zipfile raises for a damaged archive: a bad header, a size past the end,
+# an unknown version or compression method, a name that is not text
+_ZIP_DAMAGE = (zipfile.BadZipFile, EOFError, NotImplementedError, ValueError, struct.error)
 
 
 def records(f, name: str, size: int) -> dict[int, int]:
     """Data offset -> byte count of every stored tensor record of the zip archive."""
     try:
         infos = zipfile.ZipFile(f).infolist()
-    except zipfile.BadZipFile as exc:
+    except _ZIP_DAMAGE as exc:
         raise CorruptCheckpointError(
-            f"{name}: not a readable torch.save zip file ({exc})"
+            f"{name}: not a readable torch.save zip file ({type(exc).__name__}: {exc})"
         ) from None
     out: dict[int, int] = {}
     for info in infos:
@@ -42,8 +45,13 @@ def records(f, name: str, size: int) -> dict[int, int]:
             continue
         if info.compress_type != zipfile.ZIP_STORED:
             raise CorruptCheckpointError(f"{name}: record {info.filename!r} is compressed")
+        if not 0 <= info.header_offset <= size - _LOCAL_HEADER.size:
+            raise CorruptCheckpointError(f"{name}: record {info.filename!r} has no header")
         f.seek(info.header_offset)
-        sig, name_len, extra_len = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+        header = f.read(_LOCAL_HEADER.size)
+        if len(header) < _LOCAL_HEADER.size:
+            raise CorruptCheckpointError(f"{name}: record {info.filename!r} has no header")
+        sig, name_len, extra_len = _LOCAL_HEADER.unpack(header)
         if sig != b"PK\x03\x04":
             raise CorruptCheckpointError(f"{name}: record {info.filename!r} has a bad header")
         start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
@@ -59,7 +67,12 @@ def _byteorder(f, name: str) -> None:
     with zipfile.ZipFile(f) as z:
         for info in z.infolist():
             if info.filename.endswith("/byteorder") and info.file_size <= 16:
-                order = z.read(info).decode(errors="replace")
+                try:
+                    order = z.read(info).decode(errors="replace")
+                except _ZIP_DAMAGE as exc:
+                    raise CorruptCheckpointError(
+                        f"{name}: record {info.filename!r}: {exc}"
+                    ) from None
                 if order != "little":
                     raise ValueError(
                         f"{name}: saved on a {order!r}-endian machine; shardkit reads "
