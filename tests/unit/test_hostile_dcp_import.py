@@ -210,3 +210,28 @@ def test_a_damaged_value_is_refused_naming_its_key(tmp_path, damage):
     raw[info.offset : info.offset + info.length] = damage(info.length)
     data.write_bytes(raw)
     _refused(tmp_path, r"torch DCP value 'lr': not a readable torch.save file")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda raw: bytes(4) + raw[4:], id="no zip signature"),
+        pytest.param(lambda raw: raw[:-30] + b"\xff" * 30, id="a damaged directory"),
+        pytest.param(lambda raw: raw[:200] + b"\x00" * 60 + raw[260:], id="a damaged record"),
+    ],
+)
+def test_a_damaged_tensor_is_refused_naming_its_key(tmp_path, damage):
+    """A tensor is torch.save'd bytes inside a data file, read by torch's own reader;
+    damaged, it raised whatever torch.load raised (the CLI's exit 4, or exit 2 for a
+    ValueError). Honest metadata, damaged data: a CorruptCheckpointError (exit 3)."""
+    md = _torch_dcp(tmp_path / "t", {"a": torch.arange(6.0), "w": torch.ones(64, 64)})
+    info = md.storage_data[MetadataIndex("w", (0, 0))]
+    data = tmp_path / "t" / info.relative_path
+    raw = data.read_bytes()
+    end = info.offset + info.length
+    data.write_bytes(raw[: info.offset] + damage(raw[info.offset : end]) + raw[end:])
+    _refused(tmp_path, r"/t: reading 'w' failed")
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code = main(["ckpt", "convert", str(tmp_path / "t"), str(tmp_path / "s")])
+    assert code == 3 and "reading 'w' failed" in err.getvalue(), err.getvalue()
