@@ -123,6 +123,21 @@ def test_load_hf_index_size_is_capped(tmp_path, monkeypatch):
     assert load_hf(torch.nn.Linear(4, 2), tmp_path) == []
 
 
+def test_load_hf_index_naming_a_file_without_the_key_is_refused(tmp_path):
+    """The index maps 'bias' to a file that holds only 'weight': a damaged checkpoint
+    naming both (was safetensors' own SafetensorError), and nothing is loaded."""
+    src = torch.nn.Linear(4, 2)
+    safetensors.torch.save_file({"weight": src.weight.detach()}, tmp_path / "a.safetensors")
+    safetensors.torch.save_file({"bias": src.bias.detach()}, tmp_path / "b.safetensors")
+    wmap = {"weight": "a.safetensors", "bias": "a.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wmap}))
+    dst = torch.nn.Linear(4, 2)
+    before = dst.weight.detach().clone()
+    with pytest.raises(CorruptCheckpointError, match=r"a\.safetensors: the index maps 'bias'"):
+        load_hf(dst, tmp_path)
+    assert torch.equal(dst.weight, before)
+
+
 def test_load_hf_strict_names_missing_parameters(tmp_path):
     src = build("llama")
     src.save_pretrained(tmp_path)

@@ -250,7 +250,13 @@ def load_hf(
     try:
         # every shape first (headers only), so a mismatch changes nothing
         for name, items in pending.items():
+            held = set(handles[name].keys())
             for hf_key, _slices, _live in items:
+                if hf_key not in held:
+                    raise CorruptCheckpointError(
+                        f"{os.path.join(folder, name)}: the index maps {hf_key!r} to this "
+                        "file, which does not hold it"
+                    )
                 shape = tuple(handles[name].get_slice(hf_key).get_shape())
                 want = _shape_of(state[prefix + hf_key])
                 if shape != want:
