@@ -407,11 +407,15 @@ def consolidate_sharded_state_dicts(state_dict_list: list[dict], shard_metadata:
             "shard_metadata must be the dict model.get_shard_metadata() returns, got "
             f"{type(shard_metadata).__name__}"
         )
+    if not isinstance(state_dict_list, (list, tuple)):
+        raise TypeError(
+            f"state_dict_list must be a list of every rank's state dict, got a "
+            f"{type(state_dict_list).__name__}"
+        )
     world = shard_metadata.get("world_size")
-    if not isinstance(state_dict_list, (list, tuple)) or not is_int(world) or world < 1:
+    if not is_int(world) or world < 1:
         raise ValueError(
-            f"need a list of state dicts and shard_metadata['world_size'] >= 1, got a "
-            f"{type(state_dict_list).__name__} and world_size={reprlib.repr(world)}"
+            f"shard_metadata['world_size'] must be an int >= 1, got {reprlib.repr(world)}"
         )
     if len(state_dict_list) != world:
         raise ValueError(

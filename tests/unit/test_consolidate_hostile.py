@@ -221,8 +221,10 @@ def test_in_memory_arguments_of_the_wrong_kind_are_refused():
         consolidate_sharded_state_dicts(states, [meta])
     with pytest.raises(TypeError, match="state dict 1 is a list, not a dict"):
         consolidate_sharded_state_dicts([states[0], []], meta)
-    with pytest.raises(ValueError, match="world_size='2'"):
+    with pytest.raises(ValueError, match="world_size'\\] must be an int >= 1, got '2'"):
         consolidate_sharded_state_dicts(states, {**meta, "world_size": "2"})
+    with pytest.raises(TypeError, match="must be a list of every rank's state dict, got a dict"):
+        consolidate_sharded_state_dicts(dict(enumerate(states)), meta)
 
 
 def test_a_file_rewritten_after_the_check_is_refused(tmp_path, monkeypatch):
