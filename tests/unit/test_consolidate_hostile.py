@@ -21,14 +21,23 @@ def _file(prefix, rank, world=2):
     return f"{prefix}_rank-{rank:08d}-of-{world:08d}.pth"
 
 
-def _write(prefix, edit=lambda rank, meta, model: None, world=2, rows=2):
-    """`world` rank files of a (world * rows, 3) parameter 'w' (rank r holds rows r*rows..)."""
+def _ranks(edit=lambda rank, meta, model: None, world=2, rows=2):
+    """``(state dict, shard metadata)`` of each of ``world`` ranks of a (world * rows, 3)
+    parameter 'w' (rank r holds rows r*rows..), after ``edit``."""
+    out = []
     for rank in range(world):
         info = dict(shape=[world * rows, 3], replicated=False, rows=rows, start=rank * rows)
         info.update(slot=0, fqn="w")
         meta = dict(version=1, rank=rank, world_size=world, params={"_w": info}, buffers={})
         model = {"_w": torch.full((rows, 3), float(rank + 1))}
         edit(rank, meta, model)
+        out.append((model, meta))
+    return out
+
+
+def _write(prefix, edit=lambda rank, meta, model: None, world=2):
+    """The rank files of ``_ranks``."""
+    for rank, (model, meta) in enumerate(_ranks(edit, world)):
         torch.save({"model": model, "shard_metadata": meta}, _file(prefix, rank, world))
 
 
@@ -147,18 +156,10 @@ def test_legit_tied_replicated_and_empty_shards_consolidate(tmp_path):
     _check_full(consolidate_sharded_state_dicts([m for m, _ in ranks], ranks[2][1]))
 
 
-def _in_memory(edit=lambda rank, meta, model: None, world=2, rows=2):
+def _in_memory(edit=lambda rank, meta, model: None):
     """The state dicts and rank 0's shard metadata that ``_write`` would save."""
-    states, metas = [], []
-    for rank in range(world):
-        info = dict(shape=[world * rows, 3], replicated=False, rows=rows, start=rank * rows)
-        info.update(slot=0, fqn="w")
-        meta = dict(version=1, rank=rank, world_size=world, params={"_w": info}, buffers={})
-        model = {"_w": torch.full((rows, 3), float(rank + 1))}
-        edit(rank, meta, model)
-        states.append(model)
-        metas.append(meta)
-    return states, metas[0]
+    ranks = _ranks(edit)
+    return [model for model, _ in ranks], ranks[0][1]
 
 
 def _on_rank_1(change):

@@ -12,7 +12,7 @@ from typing import Any
 import fsspec
 import torch
 
-from .._core._errors import CorruptCheckpointError
+from .._core._errors import damage_is_corruption
 from .._core._format import encode_value, is_json_value
 from .._core._save import save
 from ._dcp_safe import load_dcp_metadata, safe_dcp_planner, safe_dcp_reader
@@ -257,21 +257,15 @@ def import_torch_dcp(
     def read(state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
 
-        try:
+        keys = ", ".join(map(repr, list(state)[:3]))
+        # the metadata is checked, so a failure here means damaged data files
+        with damage_is_corruption(f"{source}: reading {keys} failed"):
             try:
                 tdcp.load(state, storage_reader=reader, planner=safe_dcp_planner(), no_dist=True)
             except CheckpointException as exc:  # a BaseException: unwrap the rank's own error
                 for inner, _ in exc.failures.values():
                     raise inner from None
                 raise
-        except CorruptCheckpointError:
-            raise
-        except Exception as exc:  # the metadata is checked: its data files are damaged
-            first = (str(exc).splitlines() or [""])[0]
-            raise CorruptCheckpointError(
-                f"{source}: reading {', '.join(map(repr, list(state)[:3]))} failed "
-                f"({type(exc).__name__}: {first})"
-            ) from exc
 
     values: dict[str, Any] = {}
     if other_keys:

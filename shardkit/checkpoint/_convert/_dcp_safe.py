@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ...spmd.layout import Box
-from .._core._errors import CorruptCheckpointError
+from .._core._errors import CorruptCheckpointError, damage_is_corruption
 from .._core._format import is_int
 from .._core._validate import MAX_METADATA_BYTES, check_name, check_shape, check_tiling
 from ._torch_file import torch_load
@@ -173,14 +173,8 @@ def load_dcp_metadata(directory: str) -> Any:
         raw = f.read(MAX_METADATA_BYTES + 1)
     if len(raw) > MAX_METADATA_BYTES:
         raise CorruptCheckpointError(f"{source}: more than {MAX_METADATA_BYTES} bytes")
-    try:
+    with damage_is_corruption(f"{source}: not a readable torch DCP metadata file"):
         md = _RestrictedUnpickler(io.BytesIO(raw), source).load()
-    except CorruptCheckpointError:
-        raise
-    except Exception as exc:  # a damaged pickle fails in many ways; none is a bug of ours
-        raise CorruptCheckpointError(
-            f"{source}: not a readable torch DCP metadata file ({type(exc).__name__}: {exc})"
-        ) from None
     if not isinstance(md, Metadata) or not isinstance(
         getattr(md, "state_dict_metadata", None), dict
     ):

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .._core._errors import CorruptCheckpointError
+from .._core._errors import CorruptCheckpointError, damage_is_corruption
 from .._core._format import is_int
 
 __all__ = ["check_legacy"]
@@ -96,17 +96,11 @@ def check_legacy(f: BinaryIO, name: str, size: int) -> None:
     file, or whose pickles are damaged, before ``torch.load`` allocates anything.
     ``f`` is at the file's start and ``size`` is its byte count."""
     walk = _Walk(f, name)
-    try:
+    with damage_is_corruption(f"{name}: not a readable torch.save file"):
         magic, protocol, sys_info = (_Walk(f, name).load() for _ in range(3))
         if magic == _MAGIC and protocol == _PROTOCOL:
             walk.load()
             keys = _Walk(f, name).load()
-    except CorruptCheckpointError:
-        raise
-    except Exception as exc:  # a damaged pickle fails in many ways; none is a bug of ours
-        raise CorruptCheckpointError(
-            f"{name}: not a readable torch.save file ({type(exc).__name__}: {exc})"
-        ) from None
     if magic != _MAGIC or protocol != _PROTOCOL or not isinstance(sys_info, dict):
         raise CorruptCheckpointError(f"{name}: not a torch.save file (neither zip nor legacy)")
     if sys_info.get("little_endian") is not True:

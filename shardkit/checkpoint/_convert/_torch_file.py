@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._core._errors import CorruptCheckpointError
+from .._core._errors import CorruptCheckpointError, damage_is_corruption
 
 __all__ = ["TorchFile", "check_views", "records", "torch_load"]
 
@@ -147,15 +147,8 @@ def torch_load(f: Any, name: str, **kwargs: Any) -> Any:
     """``torch.load(f, weights_only=True, **kwargs)``. A damaged pickle fails in many ways
     (``UnpicklingError``, ``KeyError``, ``UnicodeDecodeError``, ...): each is a
     ``CorruptCheckpointError`` naming the file, never an error that looks like our bug."""
-    try:
+    with damage_is_corruption(f"{name}: not a readable torch.save file"):
         return torch.load(f, weights_only=True, **kwargs)
-    except CorruptCheckpointError:
-        raise
-    except Exception as exc:
-        first = (str(exc).splitlines() or [""])[0]
-        raise CorruptCheckpointError(
-            f"{name}: not a readable torch.save file ({type(exc).__name__}: {first})"
-        ) from exc
 
 
 class TorchFile:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "ReplicaMismatchWarning",
     "StateDictMismatchError",
+    "damage_is_corruption",
 ]
 
 
@@ -42,3 +46,18 @@ class StateDictMismatchError(CheckpointError, ValueError):
     this class is both, so either ``except`` clause catches it. The message names the
     key, both shapes, and the rank where it applies.
     """
+
+
+@contextlib.contextmanager
+def damage_is_corruption(message: str) -> Iterator[None]:
+    """Turn any error of the block into a ``CorruptCheckpointError``: ``message``, then the
+    error's type and first line. For reading input that is already known to be damaged
+    when it fails at all: a damaged pickle or archive fails in many ways (``KeyError``,
+    ``UnicodeDecodeError``, torch's ``RuntimeError``, ...), none of them a bug of ours."""
+    try:
+        yield
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:
+        first = (str(exc).splitlines() or [""])[0]
+        raise CorruptCheckpointError(f"{message} ({type(exc).__name__}: {first})") from exc
