@@ -162,13 +162,13 @@ class _Source:
             self.values = dict(md.values)
             self.values.update({k: "<pickled object>" for k in md.objects})
         elif self.format == "safetensors":
-            from ..checkpoint._convert._io import VALUES_KEY, decode_values, read_safetensors
+            from ..checkpoint._convert._io import read_safetensors, safetensors_values
 
             # the checked reader of `convert` (memory-mapped: tensors cost page cache only);
             # a hostile header is a CorruptCheckpointError naming the file
             self._st, meta = read_safetensors(self._local())
-            if VALUES_KEY in meta:  # non-tensor values written by `convert --to safetensors`
-                self.values = decode_values(meta[VALUES_KEY], path)
+            # non-tensor values written by `convert --to safetensors`
+            self.values = safetensors_values(meta, self._st, path)
             for key, tensor in self._st.items():
                 self.tensors[key] = (tensor.dtype, tuple(tensor.shape))
         elif self.format == "torch":

@@ -94,6 +94,10 @@ _HOSTILE_SAFETENSORS = {
         "nested deeper",
     ),
     "values not a string": (_with_values("5"), "__metadata__"),
+    "a value under a tensor's key": (
+        _with_values(json.dumps(json.dumps({"a": 1}))),
+        "keys ['a'] are both tensors and",
+    ),
 }
 
 

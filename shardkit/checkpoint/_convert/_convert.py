@@ -22,13 +22,13 @@ from ._io import (
     TensorArena,
     check_progress,
     checkpoint_metadata,
-    decode_values,
     is_local,
     progress_bar,
     read_full,
     read_objects,
     read_safetensors,
     require_file,
+    safetensors_values,
 )
 from ._legacy import check_legacy
 from ._torch_file import TorchFile, check_views, records, torch_load
@@ -207,12 +207,7 @@ def from_safetensors(
         state: dict[str, Any] = {}
         tensors, meta = read_safetensors(path)
         state.update(tensors)
-        if VALUES_KEY in meta:
-            values = decode_values(meta[VALUES_KEY], os.fspath(path))
-            clash = sorted(set(values) & set(tensors))
-            if clash:
-                raise ValueError(f"{os.fspath(path)!r}: keys {clash} are both tensors and values")
-            state.update(values)
+        state.update(safetensors_values(meta, tensors, os.fspath(path)))
         bar.update(1)
         save(state, checkpoint_id=checkpoint_id)
         bar.update(1)

@@ -44,6 +44,7 @@ __all__ = [
     "read_safetensors",
     "decode_values",
     "VALUES_KEY",
+    "safetensors_values",
 ]
 
 #: The safetensors ``__metadata__`` entry holding the checkpoint's non-tensor values (JSON).
@@ -364,4 +365,19 @@ def decode_values(stored: Any, name: str) -> dict[str, Any]:
         ) from None
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         raise CorruptCheckpointError(f"{name}: {what} is not an object of key -> value")
+    return values
+
+
+def safetensors_values(meta: dict, tensor_keys: Any, name: str) -> dict[str, Any]:
+    """The values of a safetensors file's ``__metadata__`` (``{}`` if it has none), checked
+    by :func:`decode_values` and against the file's tensors: a key cannot be both."""
+    if VALUES_KEY not in meta:
+        return {}
+    values = decode_values(meta[VALUES_KEY], name)
+    clash = sorted(set(values) & set(tensor_keys))
+    if clash:
+        raise CorruptCheckpointError(
+            f"{name}: keys {clash[:5]} are both tensors and, in __metadata__[{VALUES_KEY!r}], "
+            "values"
+        )
     return values
