@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ... import runtime
 from .._core._errors import CheckpointError
 from .._core._format import Metadata
+from .._core._storage import parse_json
 from ._io import SafetensorsStreamWriter, check_progress, checkpoint_metadata, read_full
 
 __all__ = ["HFExport", "HFTemplate", "to_hf", "hf_template", "parse_size"]
@@ -94,9 +95,9 @@ def _config_dict(config: Any) -> dict:
         return dict(config)
     if isinstance(config, (str, os.PathLike)):
         with fsspec.open(os.fspath(config), "r") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as exc:
+            try:  # too deep, invalid UTF-8 or not JSON: a ValueError (parse_json)
+                data = parse_json(f.read())
+            except ValueError as exc:
                 raise ValueError(f"config file {os.fspath(config)!r} is not JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {os.fspath(config)!r} holds no JSON object")

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import fsspec
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from ._errors import CorruptCheckpointError
@@ -42,15 +43,41 @@ def read_small_file(path: str, limit: int) -> bytes:
 
 
 class JSONNestingError(ValueError):
-    """JSON nested deeper than Python's parser goes (its RecursionError, as a ValueError)."""
+    """JSON nested deeper than :data:`MAX_PARSE_NESTING`, refused before parsing."""
+
+
+#: Deepest JSON nesting handed to ``json.loads``, far below Python's recursion limit.
+#: ``json.loads`` recurses once per level; near the limit, any finalizer that the garbage
+#: collector runs in the middle of parsing (of some other thread's garbage) fails with
+#: RecursionError, printed as "Exception ignored", and its cleanup is lost.
+MAX_PARSE_NESTING = 256
+
+_QUOTE, _OPENS, _CLOSES = 34, (91, 123), (93, 125)  # " [ { ] }
+
+
+def json_nesting(raw: bytes | str) -> int:
+    """How deep the arrays and objects of JSON text ``raw`` nest (brackets inside strings
+    not counted), found without parsing it: a few ms per MB."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    if b"\\" in raw:  # drop escapes that could hide a quote: \\ first, then \"
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    text = np.frombuffer(raw, np.uint8)
+    marks = text[(text == _QUOTE) | np.isin(text, _OPENS + _CLOSES, kind="table")]
+    step = np.where(np.isin(marks, _OPENS), 1, np.where(marks == _QUOTE, 0, -1))
+    step[(np.cumsum(marks == _QUOTE) & 1).astype(bool)] = 0  # inside a string
+    return int(np.cumsum(step).max(initial=0))
 
 
 def parse_json(raw: bytes | str, **kwargs: Any) -> Any:
-    """``json.loads(raw, **kwargs)`` whose every failure, nesting too deep included
-    (:class:`JSONNestingError`), is a ValueError."""
+    """``json.loads(raw, **kwargs)`` whose every failure is a ValueError; nesting deeper
+    than :data:`MAX_PARSE_NESTING` is refused before parsing (:class:`JSONNestingError`)."""
+    brackets = (b"[", b"{") if isinstance(raw, bytes) else ("[", "{")
+    if sum(map(raw.count, brackets)) > MAX_PARSE_NESTING and json_nesting(raw) > MAX_PARSE_NESTING:
+        raise JSONNestingError(f"JSON nested deeper than {MAX_PARSE_NESTING} levels")
     try:
         return json.loads(raw, **kwargs)
-    except RecursionError:
+    except RecursionError:  # a caller already deep in its stack
         raise JSONNestingError("JSON nested too deeply") from None
 
 
