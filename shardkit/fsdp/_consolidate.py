@@ -315,23 +315,30 @@ def _merge_rank(path: str, rank: int, world: int, slots: dict, full: dict, plan)
 
 def _merge_open(f, path: str, rank: int, world: int, slots: dict, full: dict, plan) -> dict:
     model, meta, params = _check_rank(f, path, rank, world, plan)
-    for key, info in params.items():
-        shard = model[key]
-        target = slots.get(info["slot"])
-        if target is None:  # shape checked by _plan: the rows of every rank file tile it
-            target = slots[info["slot"]] = torch.empty(info["shape"], dtype=shard.dtype)
-        if info["replicated"]:
-            if rank == 0:
-                f.read_into(shard, target)
-        elif info["rows"]:
-            f.read_into(shard, target.narrow(0, info["start"], info["rows"]))
-        full[info["fqn"]] = target
+    _place(model, params, rank, slots, full, f.read_into)
     if rank != 0:
         return {}
     for key, fqn in meta["buffers"].items():
         full[fqn] = f.read(model[key])
     names = {**{k: v["fqn"] for k, v in params.items()}, **meta["buffers"]}
     return {k: names[k] for k in model if k in names}
+
+
+def _place(shards: dict, params: dict, rank: int, slots: dict, full: dict, fill) -> None:
+    """Put one rank's parameter shards into their rows of the full tensors, which are
+    allocated on first sight (one per slot: tied parameters share it). A replicated
+    parameter comes from rank 0 alone. ``fill(shard, rows)`` copies a shard's bytes."""
+    for key, info in params.items():
+        shard = shards[key]
+        target = slots.get(info["slot"])
+        if target is None:  # shape checked by the plan: the rows of every rank tile it
+            target = slots[info["slot"]] = torch.empty(info["shape"], dtype=shard.dtype)
+        if info["replicated"]:
+            if rank == 0:
+                fill(shard, target)
+        elif info["rows"]:
+            fill(shard, target.narrow(0, info["start"], info["rows"]))
+        full[info["fqn"]] = target
 
 
 def _consolidate(paths: list[str], progress: Callable[[Iterable], Iterable]) -> dict:
@@ -445,17 +452,7 @@ def consolidate_sharded_state_dicts(state_dict_list: list[dict], shard_metadata:
     slots: dict[int, torch.Tensor] = {}
     full: dict[str, torch.Tensor] = {}
     for rank, (state, params) in enumerate(checked):
-        for key, info in params.items():
-            shard = state[key].detach()
-            target = slots.get(info["slot"])
-            if target is None:
-                target = slots[info["slot"]] = torch.empty(info["shape"], dtype=shard.dtype)
-            if info["replicated"]:
-                if rank == 0:
-                    target.copy_(shard)
-            elif info["rows"]:
-                target.narrow(0, info["start"], info["rows"]).copy_(shard)
-            full[info["fqn"]] = target
+        _place(state, params, rank, slots, full, lambda shard, rows: rows.copy_(shard.detach()))
     state, params = checked[0]
     buffers = shard_metadata["buffers"]
     for key, fqn in buffers.items():

@@ -75,3 +75,21 @@ def test_json_at_the_limit_still_parses():
     text = "[" * MAX_PARSE_NESTING + "]" * MAX_PARSE_NESTING
     assert _depth(parse_json(text)) == MAX_PARSE_NESTING
     assert parse_json(b'{"a": ["[[[", {"b": null}]}') == {"a": ["[[[", {"b": None}]}
+
+
+def test_a_file_limit_below_the_parser_limit_is_enforced_on_the_raw_text(monkeypatch):
+    """``load_json`` (files shardkit did not write: 64 levels) measures the text too; the
+    parsed document is not walked again, and too deep text is never parsed."""
+    from shardkit.checkpoint import CorruptCheckpointError
+    from shardkit.checkpoint._core._validate import MAX_NESTING, load_json
+
+    at_limit = '{"a":' * MAX_NESTING + "1" + "}" * MAX_NESTING
+    assert _depth(load_json(at_limit, "f.json")) == MAX_NESTING
+    calls = []
+    monkeypatch.setattr(_storage.json, "loads", lambda *a, **k: calls.append(a))
+    deeper = "[" * (MAX_NESTING + 1) + "]" * (MAX_NESTING + 1)
+    with pytest.raises(
+        CorruptCheckpointError, match=f"f.json: JSON nested deeper than {MAX_NESTING}"
+    ):
+        load_json(deeper, "f.json")
+    assert not calls

@@ -21,6 +21,7 @@ import torch
 
 from .._core._errors import CorruptCheckpointError, damage_is_corruption
 from .._core._format import is_int
+from ._torch_file import byte_order_error
 
 __all__ = ["check_legacy"]
 
@@ -104,10 +105,7 @@ def check_legacy(f: BinaryIO, name: str, size: int) -> None:
     if magic != _MAGIC or protocol != _PROTOCOL or not isinstance(sys_info, dict):
         raise CorruptCheckpointError(f"{name}: not a torch.save file (neither zip nor legacy)")
     if sys_info.get("little_endian") is not True:
-        raise ValueError(
-            f"{name}: saved on a big-endian machine; shardkit reads little-endian "
-            "torch.save files only (load it with torch.load)"
-        )
+        raise byte_order_error(name, "big")
     if not (
         isinstance(keys, list)
         and all(isinstance(k, str) for k in keys)

@@ -22,7 +22,7 @@ import torch
 
 from .._core._errors import CorruptCheckpointError, damage_is_corruption
 
-__all__ = ["TorchFile", "check_views", "records", "torch_load"]
+__all__ = ["TorchFile", "byte_order_error", "check_views", "records", "torch_load"]
 
 _DATA_RE = re.compile(r"^[^/]+/data/[^/]+$")
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
@@ -74,10 +74,15 @@ def _byteorder(f, name: str) -> None:
                         f"{name}: record {info.filename!r}: {exc}"
                     ) from None
                 if order != "little":
-                    raise ValueError(
-                        f"{name}: saved on a {order!r}-endian machine; shardkit reads "
-                        "little-endian torch.save files only (load it with torch.load)"
-                    )
+                    raise byte_order_error(name, repr(order))
+
+
+def byte_order_error(name: str, order: str) -> ValueError:
+    """The refusal of a file saved on a machine of another byte order ``order``."""
+    return ValueError(
+        f"{name}: saved on a {order}-endian machine; shardkit reads little-endian "
+        "torch.save files only (load it with torch.load)"
+    )
 
 
 # A file's tensors together may hold at most this many times the file's size (plus

@@ -69,12 +69,14 @@ def json_nesting(raw: bytes | str) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
-def parse_json(raw: bytes | str, **kwargs: Any) -> Any:
-    """``json.loads(raw, **kwargs)`` whose every failure is a ValueError; nesting deeper
-    than :data:`MAX_PARSE_NESTING` is refused before parsing (:class:`JSONNestingError`)."""
+def parse_json(raw: bytes | str, *, max_depth: int = MAX_PARSE_NESTING, **kwargs: Any) -> Any:
+    """``json.loads(raw, **kwargs)`` whose every failure is a ValueError; arrays and
+    objects nested more than ``max_depth`` deep (at most :data:`MAX_PARSE_NESTING`) are
+    refused before parsing (:class:`JSONNestingError`)."""
+    limit = min(max_depth, MAX_PARSE_NESTING)
     brackets = (b"[", b"{") if isinstance(raw, bytes) else ("[", "{")
-    if sum(map(raw.count, brackets)) > MAX_PARSE_NESTING and json_nesting(raw) > MAX_PARSE_NESTING:
-        raise JSONNestingError(f"JSON nested deeper than {MAX_PARSE_NESTING} levels")
+    if sum(map(raw.count, brackets)) > limit and json_nesting(raw) > limit:
+        raise JSONNestingError(f"JSON nested deeper than {limit} levels")
     try:
         return json.loads(raw, **kwargs)
     except RecursionError:  # a caller already deep in its stack

@@ -112,47 +112,29 @@ def _no_constants(name: str) -> None:
     raise ValueError(f"{name} is not strict JSON")
 
 
-def _depth(doc: Any) -> int:
-    """Nesting depth of a parsed JSON document, without recursion."""
-    deepest, stack = 0, [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
-    return deepest
-
-
 def load_json(
     raw: bytes | str,
     source: str,
     what: str = "",
     *,
-    max_depth: int | None = MAX_NESTING,
+    max_depth: int = MAX_NESTING,
 ) -> Any:
     """Parse JSON from a file shardkit did not write (through ``_storage.parse_json``);
     CorruptCheckpointError naming ``source`` (and ``what``, e.g. "safetensors header") on
     any fault.
 
-    Strict JSON (no NaN / Infinity); refused: nesting deeper than ``max_depth`` (and what
-    would exhaust the parser's recursion), invalid UTF-8, numbers with more digits than
+    Strict JSON (no NaN / Infinity); refused: arrays and objects nested more than
+    ``max_depth`` deep (measured before parsing), invalid UTF-8, numbers with more digits than
     Python converts. So callers may walk the result recursively. The caller bounds the size
     of ``raw`` (each file kind has its own limit).
     """
     label = f"{source}: {what}" if what else source
     try:
-        doc = parse_json(raw, parse_constant=_no_constants)
-    except JSONNestingError:
-        raise CorruptCheckpointError(
-            f"{label}: JSON nested deeper than {max_depth or MAX_NESTING} levels"
-        ) from None
+        return parse_json(raw, max_depth=max_depth, parse_constant=_no_constants)
+    except JSONNestingError as exc:
+        raise CorruptCheckpointError(f"{label}: {exc}") from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, too many digits
         raise CorruptCheckpointError(f"{label}: not valid JSON ({exc})") from None
-    if max_depth is not None and _depth(doc) > max_depth:
-        raise CorruptCheckpointError(f"{label}: JSON nested deeper than {max_depth} levels")
-    return doc
 
 
 def check_shape(shape: Any, label: str) -> None:
@@ -177,7 +159,7 @@ def parse_metadata(raw: bytes, source: str) -> Metadata:
             "may have (SHARDKIT_MAX_METADATA_BYTES raises the limit)"
         )
     sealed = _unseal(raw, source)
-    doc = load_json(raw, source, max_depth=None)  # the values' depth is checked below
+    doc = load_json(raw, source)  # so Metadata.from_doc may recurse into the values
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{source}: not a shardkit checkpoint metadata file")
     version = doc.get("version")
@@ -191,12 +173,7 @@ def parse_metadata(raw: bytes, source: str) -> Metadata:
             f"{source}: its checksum (metadata_xxh3_64, the last member) is missing or damaged"
         )
     doc.pop("metadata_xxh3_64", None)
-    if _depth(doc.get("values")) > MAX_NESTING - 2:
-        raise CorruptCheckpointError(f"{source}: JSON nested deeper than {MAX_NESTING} levels")
-    try:
-        md = Metadata.from_doc(doc, source)
-    except RecursionError:  # pragma: no cover - the depth check above comes first
-        raise CorruptCheckpointError(f"{source}: values nested too deeply") from None
+    md = Metadata.from_doc(doc, source)
     validate(md, source)
     return md
 
