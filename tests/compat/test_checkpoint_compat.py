@@ -501,3 +501,68 @@ def test_async_save_takes_torch_arguments(tmp_path):
         dcp.async_save(
             sd, checkpoint_id=tmp_path / "p", async_checkpointer_type=AsyncCheckpointerType.PROCESS
         ).result()
+
+
+def test_a_storage_object_and_a_checkpoint_id_go_where_the_id_says_as_torch(tmp_path):
+    """torch points the storage object at ``checkpoint_id`` (``reset``), keeping its
+    options; shardkit used to ignore the id and write or read the object's own path."""
+    sd = _sd()
+    torch_writer = tdcp.FileSystemWriter(tmp_path / "torch_writer_path")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.save(sd, storage_writer=torch_writer, checkpoint_id=tmp_path / "torch", no_dist=True)
+    assert (tmp_path / "torch" / ".metadata").exists()
+    assert not (tmp_path / "torch_writer_path").exists()
+
+    writer = dcp.FileSystemWriter(tmp_path / "sk_writer_path", thread_count=2)
+    dcp.save(sd, storage_writer=writer, checkpoint_id=tmp_path / "sk")
+    assert (tmp_path / "sk" / "metadata.json").exists()
+    assert not (tmp_path / "sk_writer_path").exists()
+    assert writer.thread_count == 2  # the options stay
+    out = _fresh()
+    dcp.load(out, checkpoint_id=tmp_path / "sk")
+    _equal(out, sd)
+
+    other = {**sd, "step": 8}  # a second checkpoint: the reader must go where the id says
+    dcp.save(other, checkpoint_id=tmp_path / "sk_other")
+    ours, theirs = _fresh(), _fresh()
+    dcp.load(
+        ours,
+        storage_reader=dcp.FileSystemReader(tmp_path / "sk"),
+        checkpoint_id=tmp_path / "sk_other",
+    )
+    _torch_load(theirs, tmp_path / "torch", storage_reader=tdcp.FileSystemReader(tmp_path / "sk"))
+    assert ours["step"] == 8 and theirs["step"] == 7
+
+
+def test_a_storage_object_without_reset_and_an_id_is_refused(tmp_path):
+    class Writer:  # a minimal StorageWriter: it cannot be pointed elsewhere
+        thread_count = 1
+
+        def write_file(self, name, parts): ...
+        def commit(self, metadata): ...
+        def list_files(self):
+            return []
+
+        def remove_files(self, names): ...
+
+    with pytest.raises(ValueError, match="no reset.*pass one of them"):
+        dcp.save(_sd(), storage_writer=Writer(), checkpoint_id=tmp_path / "x", no_dist=True)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("call", ["save", "load", "async_save"])
+def test_no_checkpoint_id_and_no_storage_raises_torch_class(call):
+    """torch: RuntimeError ("checkpoint_id must be specified ..."); shardkit's error is a
+    ValueError too (a caller's mistake). async_save raises at the call (torch: from the
+    Future): docs/migrating.md."""
+    if call == "async_save":
+        with pytest.raises(RuntimeError):
+            tdcp.async_save(_sd(), no_dist=True).result()
+    else:
+        assert isinstance(
+            _torch_failure(lambda: getattr(tdcp, call)(_sd(), no_dist=True)), RuntimeError
+        )
+    with pytest.raises(RuntimeError, match="pass checkpoint_id") as info:
+        getattr(dcp, call)(_sd(), no_dist=True)
+    assert isinstance(info.value, ValueError)

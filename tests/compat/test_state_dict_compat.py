@@ -435,3 +435,69 @@ def test_missing_optimizer_state_raises_as_torch_and_changes_nothing():
     theirs, ours = _both(lambda m: run(m, strict=False))
     assert theirs[1] is ours[1] is None
     _equal(ours[3], theirs[3])
+
+
+# -- no optimizer, empty and overlapping param groups (found by a side-by-side audit) ----
+
+
+def test_an_empty_optimizer_list_gets_and_sets_the_model_alone_as_torch():
+    model, _ = _trained()
+    theirs, ours = _both(lambda m: m.get_state_dict(model, []))
+    _equal(ours, theirs)
+    assert ours[1] == {} and sorted(ours[0]) == sorted(model.state_dict())
+
+    def load(m):
+        fresh = _net(5)
+        m.set_state_dict(fresh, [], model_state_dict=model.state_dict(), optim_state_dict={})
+        return fresh.state_dict()
+
+    theirs, ours = _both(load)
+    _equal(ours, theirs)
+    _equal(ours, model.state_dict())
+
+
+@pytest.mark.parametrize("call", ["get", "set"])
+def test_an_empty_optimizer_list_where_only_optimizers_count_raises_torch_class(call):
+    model, _ = _trained()
+
+    def run(m):
+        if call == "get":
+            return _raised(lambda: m.get_optimizer_state_dict(model, []))
+        return _raised(
+            lambda: m.set_optimizer_state_dict(model, [], {"state": {}, "param_groups": []})
+        )
+
+    theirs, ours = _both(run)
+    assert isinstance(theirs, RuntimeError) and isinstance(ours, RuntimeError), (theirs, ours)
+    assert isinstance(ours, ValueError) and "optimizers is empty" in str(ours)
+
+
+def test_a_state_dict_without_param_groups_is_refused_and_changes_nothing():
+    """torch: ValueError ("a different number of parameter groups"). shardkit used to
+    load it, wiping the stepped optimizer's state without a word."""
+    model, optim = _trained()
+    before = copy.deepcopy(optim.state_dict())
+    theirs, ours = _both(
+        lambda m: _raised(
+            lambda: m.set_optimizer_state_dict(model, optim, {"state": {}, "param_groups": []})
+        )
+    )
+    assert isinstance(theirs, ValueError) and isinstance(ours, ValueError), (theirs, ours)
+    assert "no param_groups" in str(ours)
+    _equal(optim.state_dict(), before)
+
+
+def test_a_parameter_in_several_saved_groups_takes_the_last_groups_hyperparameters():
+    model, optim = _trained(opt=torch.optim.SGD, momentum=0.9)
+    osd = ssd.get_optimizer_state_dict(model, optim)
+    (group,) = osd["param_groups"]
+    osd["param_groups"] = [{**group, "lr": 0.1}, {**group, "lr": 0.2}]
+
+    def run(m):
+        fresh = _net(0)
+        target = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
+        m.set_optimizer_state_dict(fresh, target, copy.deepcopy(osd))
+        return [g["lr"] for g in target.param_groups]
+
+    theirs, ours = _both(run)
+    assert ours == theirs == [0.2]

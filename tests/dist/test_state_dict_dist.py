@@ -86,7 +86,12 @@ def _check_torch_ddp():
 
 
 def _check_fsdp2():
+    from dataclasses import replace
+
+    import torch.distributed as dist
     import torch.distributed.checkpoint.state_dict as tsd
+
+    import shardkit.checkpoint.state_dict as sd_api
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -103,7 +108,7 @@ def _check_fsdp2():
     model = _fsdp2(0, mesh)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     _train(model, optim)
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = StateDictOptions(full_state_dict=True)
     tfull = tsd.StateDictOptions(full_state_dict=True)
 
     msd, osd = get_state_dict(model, optim)
@@ -115,6 +120,21 @@ def _check_fsdp2():
     assert all(type(v) is torch.Tensor for v in fmsd.values())
     _same(fmsd, tsd.get_model_state_dict(model, options=tfull), "fsdp2 full model")
     _same_optim(fosd, tsd.get_optimizer_state_dict(model, optim, options=tfull), "fsdp2 full optim")
+    # with cpu_offload too, rank 0 alone gets the gathered state dicts, as torch
+    offload, toffload = (
+        o.StateDictOptions(full_state_dict=True, cpu_offload=True) for o in (sd_api, tsd)
+    )
+    for flat in (False, True):
+        ours = get_state_dict(model, optim, options=replace(offload, flatten_optimizer_state_dict=flat))
+        theirs = tsd.get_state_dict(
+            model, optim, options=replace(toffload, flatten_optimizer_state_dict=flat)
+        )
+        if dist.get_rank() == 0:
+            _same(ours[0], fmsd, "fsdp2 full offloaded model")
+            _same(ours[0], theirs[0], "fsdp2 full offloaded model, torch")
+            _same(ours[1], theirs[1], "fsdp2 full offloaded optim, torch")
+        else:
+            assert ours == theirs == ({}, {}), (ours, theirs)
 
     # full tensors load into a fresh FSDP2 model (sliced locally) and training continues alike
     for values in ("full", "sharded"):

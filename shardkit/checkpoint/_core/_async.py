@@ -169,8 +169,10 @@ def async_save(
     writes on one background thread of this process; other choices warn once).
 
     Returns:
-        A Future whose result is the committed :class:`Metadata`; any error (on any
-        rank) comes out of ``result()``.
+        A Future whose result is the committed :class:`Metadata`; any error of the
+        save itself (on any rank) comes out of ``result()``. A wrong argument (no
+        ``checkpoint_id`` or ``storage_writer``, an object of the wrong type) raises at
+        the call, as :func:`save` does (torch reports it from the Future).
     """
     writer = resolve_writer(checkpoint_id, storage_writer)
     planner = planner if planner is not None else DefaultSavePlanner()

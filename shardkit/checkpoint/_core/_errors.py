@@ -10,6 +10,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ReplicaMismatchWarning",
     "StateDictMismatchError",
+    "UsageError",
     "damage_is_corruption",
 ]
 
@@ -46,6 +47,12 @@ class StateDictMismatchError(CheckpointError, ValueError):
     this class is both, so either ``except`` clause catches it. The message names the
     key, both shapes, and the rank where it applies.
     """
+
+
+class UsageError(CheckpointError, ValueError):
+    """A call that torch refuses with ``RuntimeError`` (no ``checkpoint_id`` and no storage,
+    no optimizers where only optimizers are asked for); a ``ValueError`` too, shardkit's
+    class for a caller's mistake."""
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from ._flatten import Flat, flatten
 from ._format import METADATA_FILE, Metadata
 from ._planner import DefaultLoadPlanner, LoadPlanner, ReadItem
 from ._read_chunks import LocalFiles, chunk_label, read_items
-from ._storage import FileSystemReader, StorageReader
+from ._storage import FileSystemReader, StorageReader, resolve_storage
 from ._validate import check_files, where
 from ._zero_stall import wait_for_staging
 
@@ -29,16 +29,7 @@ TORCH_METADATA_FILE = ".metadata"
 
 
 def resolve_reader(checkpoint_id: Any, storage_reader: StorageReader | None) -> StorageReader:
-    if storage_reader is not None:
-        if not isinstance(storage_reader, StorageReader):
-            raise TypeError(
-                f"storage_reader {storage_reader!r} does not implement StorageReader "
-                "(thread_count, read_metadata, file_size, read_into)"
-            )
-        return storage_reader
-    if checkpoint_id is None:
-        raise ValueError("pass checkpoint_id (a path or fsspec URL) or a storage_reader")
-    return FileSystemReader(checkpoint_id)
+    return resolve_storage(checkpoint_id, storage_reader, StorageReader, "storage_reader")
 
 
 def _metadata(reader: StorageReader) -> Metadata:
@@ -174,6 +165,8 @@ def load(
         state_dict: the state to fill, allocated by the caller.
         checkpoint_id: a directory path or fsspec URL.
         storage_reader: a custom StorageReader instead of ``FileSystemReader(checkpoint_id)``.
+            Given with ``checkpoint_id``, it is pointed there first (its ``reset``), as
+            in torch.
         planner: defaults to :class:`DefaultLoadPlanner`.
         strict: None (default) follows the planner. True (shardkit's stricter check):
             raise on missing or unexpected keys. False: skip both with a warning.

@@ -54,7 +54,7 @@ from ._replicas import (
     replica_mismatches,
     warn_mismatches,
 )
-from ._storage import FileSystemWriter, StorageWriter
+from ._storage import StorageWriter, resolve_storage
 from ._torch_args import check_no_dist
 
 __all__ = ["save"]
@@ -114,16 +114,7 @@ class SaveJob:
 
 
 def resolve_writer(checkpoint_id: Any, storage_writer: StorageWriter | None) -> StorageWriter:
-    if storage_writer is not None:
-        if not isinstance(storage_writer, StorageWriter):
-            raise TypeError(
-                f"storage_writer {storage_writer!r} does not implement StorageWriter "
-                "(thread_count, write_file, commit, list_files, remove_files)"
-            )
-        return storage_writer
-    if checkpoint_id is None:
-        raise ValueError("pass checkpoint_id (a path or fsspec URL) or a storage_writer")
-    return FileSystemWriter(checkpoint_id)
+    return resolve_storage(checkpoint_id, storage_writer, StorageWriter, "storage_writer")
 
 
 def bytes_view(t: torch.Tensor) -> memoryview:
@@ -520,6 +511,8 @@ def save(
             DTensor), Stateful objects and JSON values.
         checkpoint_id: a directory path or fsspec URL.
         storage_writer: a custom StorageWriter instead of ``FileSystemWriter(checkpoint_id)``.
+            Given with ``checkpoint_id``, it is pointed there first (its ``reset``), as
+            in torch.
         planner: defaults to :class:`DefaultSavePlanner`.
         process_group: the ranks saving together (default: the world; none needed
             in a single process).

@@ -18,7 +18,7 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from ._errors import CorruptCheckpointError
+from ._errors import CorruptCheckpointError, UsageError
 from ._format import METADATA_FILE
 
 #: Bytes per write() call: one huge write() stalls far longer in the kernel's dirty-page
@@ -83,6 +83,34 @@ def parse_json(raw: bytes | str, *, max_depth: int = MAX_PARSE_NESTING, **kwargs
         raise JSONNestingError("JSON nested too deeply") from None
 
 
+def resolve_storage(checkpoint_id: Any, storage: Any, kind: type, what: str) -> Any:
+    """The storage a ``save`` (``kind`` StorageWriter) or ``load`` (StorageReader) uses, as
+    torch picks it: ``storage`` if given, pointed at ``checkpoint_id`` if that is given too
+    (through its ``reset``), else a FileSystemWriter / FileSystemReader of
+    ``checkpoint_id``. ``what`` is the argument's name, e.g. "storage_writer"."""
+    if storage is None:
+        if checkpoint_id is None:
+            raise UsageError(f"pass checkpoint_id (a path or fsspec URL) or a {what}")
+        return (FileSystemWriter if kind is StorageWriter else FileSystemReader)(checkpoint_id)
+    if not isinstance(storage, kind):
+        members = (
+            "thread_count, write_file, commit, list_files, remove_files"
+            if kind is StorageWriter
+            else "thread_count, read_metadata, file_size, read_into"
+        )
+        raise TypeError(f"{what} {storage!r} does not implement {kind.__name__} ({members})")
+    if checkpoint_id is not None:
+        reset = getattr(storage, "reset", None)
+        if not callable(reset):
+            raise ValueError(
+                f"both checkpoint_id {os.fspath(checkpoint_id)!r} and {what} {storage!r} were "
+                f"given, and the {what} has no reset(checkpoint_id) to point it there (as "
+                "torch would); pass one of them"
+            )
+        reset(checkpoint_id)
+    return storage
+
+
 __all__ = ["StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader"]
 
 
@@ -144,6 +172,13 @@ class _FileSystem:
         self.local = isinstance(self.fs, LocalFileSystem)
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
         self._links: dict[str, str] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Point this storage at checkpoint directory ``checkpoint_id``, keeping its options
+        (torch's ``reset``: ``save`` and ``load`` call it when given both a storage object
+        and a ``checkpoint_id``). None keeps the current directory."""
+        if checkpoint_id is not None:
+            _FileSystem.__init__(self, checkpoint_id, self.storage_options)
 
     @property
     def parent(self) -> str:
@@ -265,6 +300,14 @@ class FileSystemWriter(_FileSystem):
         self.sync_files = bool(sync_files)
         self._made = False
         self._in_place = False  # overwrite existing files instead of truncating them
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            super().reset(checkpoint_id)
+            self._made = False
+            self._in_place = False
+
+    reset.__doc__ = _FileSystem.reset.__doc__
 
     def _makedirs(self) -> None:
         if not self._made:

@@ -29,6 +29,13 @@ def world_of_many() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def dropped_here(opts: Any) -> bool:
+    """Whether this rank lets go of what it gathers: with ``full_state_dict`` and
+    ``cpu_offload`` only rank 0 keeps the full state dict, as in torch, so the ranks of a
+    host do not each hold a whole CPU copy. Every rank still takes part in the gathers."""
+    return opts.full_state_dict and opts.cpu_offload and world_of_many() and dist.get_rank() != 0
+
+
 def _device() -> torch.device:
     if "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())

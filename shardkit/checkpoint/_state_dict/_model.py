@@ -11,7 +11,7 @@ from torch import nn
 from ... import runtime
 from .._core._errors import StateDictMismatchError
 from .._core._planner import on_rank
-from ._broadcast import broadcast_from_rank0
+from ._broadcast import broadcast_from_rank0, dropped_here
 from ._fqn import (
     clean_key,
     param_fqns,
@@ -97,7 +97,8 @@ def get_model_state_dict(
     """The model's state dict keyed by unwrapped FQNs.
 
     Sharded parameters stay ``DTensor`` / ``ShardedTensor`` (so a checkpoint reshards
-    them) unless ``options.full_state_dict``. Modules implementing
+    them) unless ``options.full_state_dict``. With both ``full_state_dict`` and
+    ``cpu_offload``, only rank 0 gets the state dict; other ranks get ``{}`` (as torch). Modules implementing
     ``_shardkit_sharded_state_dict()`` answer for themselves.
 
     Args:
@@ -111,6 +112,7 @@ def get_model_state_dict(
     prefixes = submodule_prefixes(model, submodules)
     entries, _ = _live_entries(model)
     frozen = _frozen(model) if opts.ignore_frozen_params else set()
+    drop = dropped_here(opts)
     out: dict[str, Any] = {}
     for key, (_, value) in entries.items():
         if key in frozen or not under(key, prefixes):
@@ -118,7 +120,9 @@ def get_model_state_dict(
         if not opts.keep_submodule_prefixes and submodules is not None:
             prefix = max((p for p in prefixes if under(key, [p])), key=len)
             key = key[len(prefix) + 1 :] if prefix else key
-        out[key] = export_value(value, full=opts.full_state_dict, cpu=opts.cpu_offload)
+        value = export_value(value, full=opts.full_state_dict, cpu=opts.cpu_offload and not drop)
+        if not drop:  # gathered with the other ranks, then let go
+            out[key] = value
     return out
 
 

@@ -11,9 +11,9 @@ from torch import nn
 
 from ... import runtime
 from ...spmd import ShardedTensor
-from .._core._errors import StateDictMismatchError
+from .._core._errors import StateDictMismatchError, UsageError
 from .._core._planner import on_rank
-from ._broadcast import broadcast_items, world_of_many
+from ._broadcast import broadcast_items, dropped_here, world_of_many
 from ._fqn import param_fqns, strip_wrappers, under
 from ._model import submodule_prefixes
 from ._options import StateDictOptions, resolve_options
@@ -22,18 +22,25 @@ from ._values import export_value, import_value, is_sharded
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "as_optimizers"]
 
 
-def as_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
-    """One optimizer or an iterable of them, as a list."""
+def as_optimizers(optimizers: Any, caller: str | None = None) -> list[torch.optim.Optimizer]:
+    """One optimizer or an iterable of them, as a list. Empty is allowed unless ``caller``
+    (a function that handles optimizers only) is named: torch refuses it there with a
+    ``RuntimeError``, and :class:`UsageError` is one."""
     if isinstance(optimizers, torch.optim.Optimizer):
         return [optimizers]
     try:
         optims = list(optimizers)
     except TypeError:
         optims = None
-    if not optims or not all(isinstance(o, torch.optim.Optimizer) for o in optims):
+    if optims is None or not all(isinstance(o, torch.optim.Optimizer) for o in optims):
         raise TypeError(
-            "optimizers must be a torch.optim.Optimizer or a non-empty iterable of them, got "
+            "optimizers must be a torch.optim.Optimizer or an iterable of them, got "
             f"{type(optimizers).__name__}"
+        )
+    if not optims and caller is not None:
+        raise UsageError(
+            f"{caller}: optimizers is empty; pass the optimizer(s) whose state you want "
+            "(get_model_state_dict / set_model_state_dict handle a model alone)"
         )
     return optims
 
@@ -119,15 +126,17 @@ def get_optimizer_state_dict(
     """``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``.
 
     State of a sharded parameter stays sharded like the parameter (unless
-    ``options.full_state_dict``), so the checkpoint core reshards it. An optimizer that
+    ``options.full_state_dict``), so the checkpoint core reshards it. With both
+    ``full_state_dict`` and ``cpu_offload``, only rank 0 gets it; other ranks get ``{}``. An optimizer that
     has not stepped yet gets its state allocated first (see :func:`prime_state`).
     """
     opts = resolve_options(options)
     runtime.init()  # join the world the environment describes (torchrun, SLURM)
-    optims = as_optimizers(optimizers)
+    optims = as_optimizers(optimizers, "get_optimizer_state_dict")
     prefixes = submodule_prefixes(model, submodules)
     fqns, owners = param_fqns(model)
     layouts = _layouts(owners, fqns)
+    drop = dropped_here(opts)
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     for n, optim in enumerate(optims):
@@ -139,18 +148,22 @@ def get_optimizer_state_dict(
             if not under(names[i], prefixes):
                 continue
             param = params[i]
-            state[names[i]] = {
+            exported = {
                 k: export_value(
                     _wrap_like(v, param, layouts.get(id(param))),
                     full=opts.full_state_dict,
-                    cpu=opts.cpu_offload,
+                    cpu=opts.cpu_offload and not drop,
                 )
                 for k, v in entry.items()
             }
+            if not drop:  # gathered with the other ranks, then let go
+                state[names[i]] = exported
         for group in osd["param_groups"]:
             kept = [names[i] for i in group["params"] if under(names[i], prefixes)]
             if kept or not group["params"]:  # an empty group is kept, as torch
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": kept})
+    if drop:
+        return {}
     out = {"state": state, "param_groups": groups}
     return flatten_optim(out) if opts.flatten_optimizer_state_dict else out
 
@@ -167,8 +180,9 @@ def _names(params: list[torch.Tensor], fqns: dict[int, str], n: int) -> list[str
 
 
 def _saved_group(saved: list[dict[str, Any]], names: list[str]) -> dict[str, Any] | None:
+    """The saved group holding any of ``names``; the last one when several do, as torch."""
     wanted = set(names)
-    for group in saved:
+    for group in reversed(saved):
         if wanted & set(group.get("params", ())):
             return group
     return None
@@ -207,7 +221,7 @@ def set_optimizer_state_dict(
     """
     opts = resolve_options(options)
     runtime.init()  # join the world the environment describes (torchrun, SLURM)
-    optims = as_optimizers(optimizers)
+    optims = as_optimizers(optimizers, "set_optimizer_state_dict")
     fqns, owners = param_fqns(model)
     for n, optim in enumerate(optims):  # validate every optimizer before changing any
         _names(_params(optim), fqns, n)
@@ -233,6 +247,12 @@ def set_optimizer_state_dict(
                 "unchanged. Pass StateDictOptions(strict=False) to load the rest (their "
                 "state is then dropped, as torch does)"
             )
+    if not saved_groups and any(optim.param_groups for optim in optims):
+        raise ValueError(  # else every optimizer would silently lose its state
+            f"{on_rank()}set_optimizer_state_dict: optim_state_dict has no param_groups, but "
+            "the optimizers have some; the optimizers are unchanged. Pass the state dict "
+            "get_optimizer_state_dict returned"
+        )
     empty_saved = [g for g in saved_groups if not g.get("params")]
     used: set[str] = set()
     for n, optim in enumerate(optims):

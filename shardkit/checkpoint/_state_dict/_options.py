@@ -15,11 +15,14 @@ class StateDictOptions:
 
     Args:
         full_state_dict: gather every sharded value (torch ``DTensor``, shardkit
-            ``ShardedTensor``) into a plain tensor holding the whole value, on every rank.
+            ``ShardedTensor``) into a plain tensor holding the whole value, on every rank
+            (on rank 0 alone with ``cpu_offload``).
             Off by default: sharded values stay sharded so a checkpoint saves only local
             bytes and reshards on load.
         cpu_offload: move plain tensors (and gathered ones) to CPU. Sharded values that are
-            not gathered keep their device, since their mesh is bound to it.
+            not gathered keep their device, since their mesh is bound to it. With
+            ``full_state_dict`` too, only rank 0 gets the state dict (other ranks get
+            ``{}``, as in torch), so a host's ranks do not each hold a CPU copy.
         strict: when setting a model state dict, missing or unexpected keys raise
             :class:`~shardkit.checkpoint.StateDictMismatchError` (a ``RuntimeError``, as
             torch, and a ``ValueError``) listing them; otherwise they are skipped and
