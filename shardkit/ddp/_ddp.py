@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import numbers
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from .. import runtime
-from ._errors import CommHookError, NothingToTrainError
+from ._errors import CommHookError, ModelMismatchError, NothingToTrainError
 from ._grad_bucket import GradBucket
 from ._join import DDPJoinHook, exchange
 from ._reducer import Reducer
@@ -42,12 +43,21 @@ class DistributedDataParallel(nn.Module, Joinable):
         find_unused_parameters: allow forwards that leave some parameters out.
         gradient_as_bucket_view: make ``.grad`` views into the buckets (saves a copy
             and a gradient-sized allocation).
-        broadcast_buffers: broadcast rank 0's buffers at every forward.
+        forward_sync_buffers: broadcast rank 0's buffers at the start of a forward
+            (torch 2.13's name; default True). As in torch, only a forward that follows
+            a synced training forward does (not one after a ``no_sync`` or ``no_grad``
+            forward), and the construction broadcast includes buffers whatever its value.
+        broadcast_buffers: the older name of ``forward_sync_buffers``; ``False`` also
+            leaves buffers out of the construction broadcast (rank-local buffers), as in
+            torch. ``forward_sync_buffers`` wins when both are given.
         static_graph: the forward uses the same parameters every iteration; accepted as
             in torch (parameters a forward leaves out are handled as with
             ``find_unused_parameters=True``).
         init_sync: check the ranks' parameter shapes and broadcast rank 0's parameters
             and buffers at construction (torch's default); ``False`` skips both.
+            Parameters and buffers named in ``module._ddp_params_and_buffers_to_ignore``
+            (see :meth:`_set_params_and_buffers_to_ignore_for_model`) are never
+            broadcast or averaged.
         dim: the batch dim torch scatters over several local devices; one device per
             rank here, so it only has to be an int.
         device_ids / output_device: accepted as in torch for one device per rank.
@@ -63,12 +73,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         bucket_cap_mb: float = 25,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         device_ids: list | None = None,
         output_device=None,
         dim: int = 0,
         init_sync: bool = True,
         static_graph: bool = False,
+        forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -78,17 +89,25 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
             raise TypeError(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if not bucket_cap_mb >= 0:
+            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
         for name, flag in (
             ("find_unused_parameters", find_unused_parameters),
             ("gradient_as_bucket_view", gradient_as_bucket_view),
             ("broadcast_buffers", broadcast_buffers),
             ("init_sync", init_sync),
             ("static_graph", static_graph),
+            ("forward_sync_buffers", forward_sync_buffers),
         ):
-            if not isinstance(flag, bool):
+            if not isinstance(flag, bool) and (flag is not None or "buffers" not in name):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if forward_sync_buffers is not None and broadcast_buffers is not None:
+            warnings.warn(
+                "DistributedDataParallel: both broadcast_buffers and forward_sync_buffers "
+                "were given; broadcast_buffers is ignored (as in torch)",
+                FutureWarning,
+                stacklevel=2,
+            )
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise TypeError(f"dim must be an int, got {dim!r}")
         if device_ids is not None and len(device_ids) > 1:  # [] is None, as torch
@@ -103,23 +122,36 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.module = module
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self.process_group = _comm.resolve_group(process_group)
-        self.broadcast_buffers = broadcast_buffers
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers, init_sync_buffers = forward_sync_buffers, True
+        else:
+            self.forward_sync_buffers = init_sync_buffers = broadcast_buffers is not False
+        self.require_forward_param_sync = True
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.bucket_cap_mb = bucket_cap_mb
         self.static_graph = static_graph
         self.dim = dim
         self.require_backward_grad_sync = True
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self._named_params() if p.requires_grad]
         if not named:
             raise NothingToTrainError(
                 "DistributedDataParallel needs a module with at least one parameter that "
                 "requires grad; there is nothing to average"
             )
+        self.device = next(module.parameters()).device
+        self.device_ids = self.output_device = None
+        if device_ids and self.device.type != "cpu":
+            self.device_ids = [self.device.index]
+            out = self.device if output_device is None else output_device
+            self.output_device = out if isinstance(out, int) else torch.device(out).index
         self._world = _comm.group_size(self.process_group)
         if self._world > 1 and init_sync:
             self._verify_same_parameters([p for _, p in named])
-            self._broadcast([*module.parameters(), *module.buffers()])
+            self._broadcast([p for _, p in self._named_params()])
+            if init_sync_buffers:
+                self._broadcast(self._synced_buffers())
         self.reducer = Reducer(
             [p for _, p in named],
             [n for n, _ in named],
@@ -133,6 +165,42 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -- setup -------------------------------------------------------------------
 
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore
+    ) -> None:
+        """Leave these parameters and buffers (names as ``module.named_parameters()`` /
+        ``named_buffers()`` give them) out of every broadcast and gradient average; call
+        it before wrapping. torch's (private, widely used) API of the same name."""
+        module._ddp_params_and_buffers_to_ignore = list(params_and_buffers_to_ignore)
+
+    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [
+            (n, p) for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore
+        ]
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        """The buffers broadcasts cover, looked up each time (a module may reassign one)."""
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name of :attr:`forward_sync_buffers`."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts rank 0's buffers: buffers are synced, there
+        are some, and the previous forward was a synced training forward (as torch)."""
+        return (
+            self.require_forward_param_sync
+            and self.forward_sync_buffers
+            and bool(self._synced_buffers())
+        )
+
     def _verify_same_parameters(self, params: list[torch.Tensor]) -> None:
         """Every rank must hold the same parameter shapes, or buckets would mismatch."""
         signature = [len(params), sum(p.numel() for p in params)]
@@ -143,7 +211,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
         highest, lowest = both[:3].tolist(), [-v for v in both[3:].tolist()]
         if highest != lowest:
-            raise ValueError(
+            raise ModelMismatchError(
                 "DistributedDataParallel: ranks hold different parameters (count, sizes or "
                 "dtypes differ); build the same model on every rank before wrapping it"
             )
@@ -171,12 +239,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             sync = torch.is_grad_enabled() and self.require_backward_grad_sync
             count, _, src = exchange(self, active=True, sync=sync)
             self.reducer.sum_divisor = None if self._join_divide_by_initial else count
-        if self.broadcast_buffers and self._world > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                self._broadcast(buffers, src=src)
+        if self._world > 1 and self.will_sync_module_buffers():
+            self._broadcast(self._synced_buffers(), src=src)
         outputs = self.module(*inputs, **kwargs)
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+        self.require_forward_param_sync = (
+            torch.is_grad_enabled() and self.require_backward_grad_sync
+        )
+        if self.require_forward_param_sync:
             self.reducer.prepare(outputs)
         return outputs
 

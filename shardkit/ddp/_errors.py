@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CommHookError", "NothingToTrainError"]
+__all__ = ["CommHookError", "ModelMismatchError", "NothingToTrainError"]
 
 
 class CommHookError(TypeError, ValueError, RuntimeError):
@@ -18,4 +18,11 @@ class NothingToTrainError(ValueError, RuntimeError):
 
     torch raises RuntimeError; shardkit raised ValueError (a wrong argument). This class
     is both, so either ``except`` clause catches it.
+    """
+
+
+class ModelMismatchError(ValueError, RuntimeError):
+    """DDP's ranks hold different parameters (count, sizes or dtypes).
+
+    torch raises RuntimeError; a wrong model is a ValueError here. This class is both.
     """

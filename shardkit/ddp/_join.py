@@ -51,10 +51,9 @@ class DDPJoinHook(JoinHook):
         """Shadow one iteration of the ranks still training."""
         ddp = self.ddp
         _count, syncing, src = exchange(ddp, active=False, sync=False)
-        if ddp.broadcast_buffers:
-            buffers = list(ddp.module.buffers())
-            if buffers:
-                ddp._broadcast(buffers, src=src)
+        if ddp.will_sync_module_buffers():  # as the ranks still training decide it
+            ddp._broadcast(ddp._synced_buffers(), src=src)
+        ddp.require_forward_param_sync = bool(syncing)
         if syncing:
             ddp.reducer.shadow_backward()
 
@@ -67,4 +66,7 @@ class DDPJoinHook(JoinHook):
         src = torch.tensor([rank if is_last_joiner else -1], device=ddp.join_device)
         _comm.record("all_reduce", src)
         dist.all_reduce(src, op=dist.ReduceOp.MAX, group=ddp.process_group)
-        ddp._broadcast([*ddp.module.parameters(), *ddp.module.buffers()], src=int(src.item()))
+        synced = [p for _, p in ddp._named_params()]
+        if ddp.forward_sync_buffers:
+            synced += ddp._synced_buffers()
+        ddp._broadcast(synced, src=int(src.item()))

@@ -196,12 +196,13 @@ def test_constructor_accepts_torch_keywords():
     ours = inspect.signature(DDP.__init__).parameters
     wanted = (
         "device_ids output_device dim broadcast_buffers init_sync process_group "
-        "bucket_cap_mb find_unused_parameters gradient_as_bucket_view static_graph"
+        "bucket_cap_mb find_unused_parameters gradient_as_bucket_view static_graph "
+        "forward_sync_buffers"
     ).split()
     theirs = inspect.signature(TorchDDP.__init__).parameters
     assert all(name in theirs for name in wanted)
     assert all(name in ours for name in wanted)
-    for name in ("dim", "init_sync", "static_graph", "broadcast_buffers"):
+    for name in ("dim", "init_sync", "static_graph", "broadcast_buffers", "forward_sync_buffers"):
         assert ours[name].default == theirs[name].default or theirs[name].default is None
     with pytest.raises(TypeError):
         DDP(Net(), dim="0")
@@ -482,3 +483,128 @@ def test_reentrant_checkpointing_and_dataclass_outputs_match_torch():
     for rank in run_ranks(_outputs_body, WORLD, timeout=110):
         for case, (ours, ref) in rank.items():
             assert _same(ours, ref, tol=1e-6), case
+
+
+# -- buffers, ignored parameters, attributes, mismatched models (found by an audit) -----
+
+
+def _bn_model(rank_value=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    if rank_value is not None:
+        model[1].running_mean.fill_(rank_value)
+    return model
+
+
+def _bn_batch(rank, i):
+    return torch.randn(6, 3, generator=torch.Generator().manual_seed(100 * rank + i))
+
+
+def _buffers_body():
+    import warnings
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from shardkit.ddp import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    out = {}
+    for name, cls in (("torch", TorchDDP), ("ours", DDP)):
+        res = out[name] = {}
+        # construction: broadcast_buffers=False keeps rank-local buffers; the newer
+        # forward_sync_buffers=False still syncs them at construction
+        for kw in ({"broadcast_buffers": False}, {"forward_sync_buffers": False}):
+            model = _bn_model(float(rank + 1))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch: broadcast_buffers
+                cls(model, **kw)
+            res[f"init {sorted(kw)[0]}"] = model[1].running_mean.tolist()
+        # forwards: no buffer sync after a no_sync forward or after a no_grad forward
+        model = _bn_model()
+        ddp = cls(model)
+        with ddp.no_sync():
+            ddp(_bn_batch(rank, 1)).sum().backward()
+        ddp(_bn_batch(rank, 2)).sum().backward()
+        res["after no_sync"] = model[1].running_mean.tolist()
+        trace = []
+        ddp(_bn_batch(rank, 3)).sum().backward()
+        with torch.no_grad():
+            ddp.eval()
+            for value in (rank + 1.0, rank + 5.0):
+                model[1].running_mean.fill_(value)
+                ddp(_bn_batch(rank, 4))
+                trace.append(model[1].running_mean.tolist())
+        ddp.train()
+        model[1].momentum = 0.0  # the forward then keeps the value it starts with
+        model[1].running_mean.fill_(rank + 9.0)
+        ddp(_bn_batch(rank, 5)).sum().backward()
+        trace.append(model[1].running_mean.tolist())
+        res["no_grad then train"] = trace
+        res["will_sync"] = ddp.will_sync_module_buffers()
+        # ignored parameters and buffers: never broadcast, never averaged
+        model = _bn_model(float(rank + 1))
+        with torch.no_grad():
+            model[0].weight.fill_(rank + 1.0)
+        cls._set_params_and_buffers_to_ignore_for_model(model, ["0.weight", "1.running_mean"])
+        ddp = cls(model)
+        torch.optim.SGD(ddp.parameters(), lr=0.0).zero_grad()
+        ddp(_bn_batch(rank, 6)).sum().backward()
+        res["ignored"] = (
+            model[0].weight[0, 0].item(),
+            model[0].weight.grad.sum().item(),
+            model[1].bias.grad.tolist(),
+        )
+        res["attributes"] = (ddp.device_ids, ddp.output_device, str(ddp.device))
+    # different models on the ranks: torch raises RuntimeError on the rank that notices
+    # (the other is left waiting, so torch's side cannot run here); ours on both ranks
+    try:
+        DDP(nn.Linear(3, 3 + rank))
+    except RuntimeError as exc:
+        out["mismatch"] = (isinstance(exc, ValueError), str(exc))
+    return out
+
+
+def test_buffers_ignored_parameters_and_attributes_match_torch():
+    for rank, res in enumerate(run_ranks(_buffers_body, WORLD, timeout=110)):
+        ours, ref = res["ours"], res["torch"]
+        assert ours == ref, (rank, ours, ref)
+        assert ours["init broadcast_buffers"] == [rank + 1.0] * 4  # rank-local, as torch
+        assert ours["init forward_sync_buffers"] == [1.0] * 4
+        assert ours["no_grad then train"][1][0] == rank + 5.0  # not synced: as torch
+        assert res["mismatch"][0] and "ranks hold different parameters" in res["mismatch"][1]
+
+
+def _powersgd_values_body():
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as tp
+
+    from shardkit.ddp.comm_hooks import powerSGD_hook as sp
+
+    out = {}
+    for name, lib in (("torch", tp), ("ours", sp)):
+        ours, ref = _pair()
+        model = ref if name == "torch" else ours
+        # values torch takes: a rate below 1 (compresses vectors too), start at once
+        state = lib.PowerSGDState(
+            None,
+            matrix_approximation_rank=1,
+            start_powerSGD_iter=-1,
+            min_compression_rate=0.5,
+            use_error_feedback=False,
+            warm_start=False,
+            compression_stats_logging_frequency=0,
+        )
+        model.register_comm_hook(state, lib.powerSGD_hook)
+        _train(model, 2)
+        out[name] = (state.compression_stats(), len(state.q_memory_dict), state.iter)
+    return out
+
+
+def test_powersgd_takes_torch_values_and_compresses_the_same_tensors():
+    for res in run_ranks(_powersgd_values_body, WORLD, timeout=90):
+        assert res["ours"] == res["torch"], res
+        assert res["ours"][1] == 0  # without warm start no Q is kept, as torch
+        # every tensor compressed, the biases as (n, 1) columns: 340 numbers -> 32 + 17 +
+        # 20 + 5 = 74 per step (72 would mean the biases went uncompressed)
+        _, before, after = res["ours"][0]
+        assert before > 0 and before * 74 == after * 340, res

@@ -118,7 +118,7 @@ def test_find_unused_parameters_leaves_unused_grads_none():
     "kwargs, error, match",
     [
         (dict(module="not a module"), TypeError, "torch.nn.Module, got str"),
-        (dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb must be > 0, got 0"),
+        (dict(bucket_cap_mb=-1), ValueError, "bucket_cap_mb must be >= 0, got -1"),
         (dict(bucket_cap_mb="25"), TypeError, "bucket_cap_mb"),
         (dict(find_unused_parameters=1), TypeError, "find_unused_parameters must be True or False"),
         (dict(process_group="world"), TypeError, "process_group"),
@@ -216,15 +216,16 @@ def test_hooks_names_and_pickling():
             TypeError,
             "matrix_approximation_rank must be an int",
         ),
-        (dict(start_powerSGD_iter=-1), ValueError, "start_powerSGD_iter must be >= 0"),
-        (dict(min_compression_rate=0.5), ValueError, "min_compression_rate must be >= 1"),
+        (dict(start_powerSGD_iter=-1), ValueError, "use_error_feedback or warm_start"),
+        (dict(min_compression_rate=-0.5), ValueError, "min_compression_rate must be finite"),
+        (dict(min_compression_rate=float("inf")), ValueError, "min_compression_rate"),
         (dict(min_compression_rate="2"), TypeError, "min_compression_rate"),
         (dict(use_error_feedback=1), TypeError, "use_error_feedback must be True or False"),
         (dict(warm_start=None), TypeError, "warm_start"),
         (dict(orthogonalization_epsilon=-1e-8), ValueError, "orthogonalization_epsilon"),
         (dict(orthogonalization_epsilon=float("nan")), ValueError, "orthogonalization_epsilon"),
         (dict(random_seed=-3), ValueError, "random_seed"),
-        (dict(compression_stats_logging_frequency=0), ValueError, "logging_frequency"),
+        (dict(compression_stats_logging_frequency=0.5), TypeError, "logging_frequency"),
         (dict(batch_tensors_with_same_shape="yes"), TypeError, "batch_tensors_with_same_shape"),
         (dict(start_powerSGD_iter=1), ValueError, "start_powerSGD_iter >= 2"),
         (dict(start_powerSGD_iter=0, warm_start=False), ValueError, "use_error_feedback"),
@@ -237,6 +238,16 @@ def test_powersgd_state_rejects_bad_values(kwargs, error, match):
 
 def test_powersgd_state_accepts_start_zero_without_memory_and_checks_group():
     PowerSGDState(None, start_powerSGD_iter=0, use_error_feedback=False, warm_start=False)
+    # values torch takes (its own docstring suggests min_compression_rate 0.5)
+    state = PowerSGDState(
+        None,
+        start_powerSGD_iter=-1,
+        use_error_feedback=False,
+        warm_start=False,
+        min_compression_rate=0.5,
+        compression_stats_logging_frequency=0,
+    )
+    assert state.compression_stats_logging_frequency == 1  # clamped, as torch
     with pytest.raises(TypeError, match="ProcessGroup"):
         PowerSGDState("world")
     ddp = DDP(_mlp())

@@ -22,10 +22,10 @@ __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"]
 logger = logging.getLogger(__name__)
 
 
-def _check_int(name: str, value, minimum: int) -> int:
+def _check_int(name: str, value, minimum: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"PowerSGDState: {name} must be an int, got {value!r}")
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise ValueError(f"PowerSGDState: {name} must be >= {minimum}, got {value}")
     return int(value)
 
@@ -67,17 +67,18 @@ class PowerSGDState:
         self.matrix_approximation_rank = _check_int(
             "matrix_approximation_rank", matrix_approximation_rank, 1
         )
-        self.start_powerSGD_iter = _check_int("start_powerSGD_iter", start_powerSGD_iter, 0)
+        # any int, as torch: at or below 0, compression starts at the first iteration
+        self.start_powerSGD_iter = _check_int("start_powerSGD_iter", start_powerSGD_iter, None)
         if isinstance(min_compression_rate, bool) or not isinstance(
             min_compression_rate, numbers.Real
         ):
             raise TypeError(
                 f"PowerSGDState: min_compression_rate must be a number, got {min_compression_rate!r}"
             )
-        if not min_compression_rate >= 1:
-            raise ValueError(
-                f"PowerSGDState: min_compression_rate must be >= 1 (below 1 'compression' "
-                f"would send more bytes), got {min_compression_rate}"
+        if not (min_compression_rate >= 0 and math.isfinite(min_compression_rate)):
+            raise ValueError(  # below 1 'compression' may send more bytes: torch allows it
+                f"PowerSGDState: min_compression_rate must be finite and >= 0, got "
+                f"{min_compression_rate}"
             )
         self.min_compression_rate = float(min_compression_rate)
         self.use_error_feedback = _check_bool("use_error_feedback", use_error_feedback)
@@ -96,8 +97,11 @@ class PowerSGDState:
             )
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.random_seed = _check_int("random_seed", random_seed, 0)
-        self.compression_stats_logging_frequency = _check_int(
-            "compression_stats_logging_frequency", compression_stats_logging_frequency, 1
+        self.compression_stats_logging_frequency = max(  # at least 1, as torch
+            1,
+            _check_int(
+                "compression_stats_logging_frequency", compression_stats_logging_frequency, None
+            ),
         )
         self.batch_tensors_with_same_shape = _check_bool(
             "batch_tensors_with_same_shape", batch_tensors_with_same_shape
@@ -227,7 +231,8 @@ def _q_memory(state, index, numel, like, shapes) -> torch.Tensor:
     fresh = not state.warm_start or q is None or q.numel() != numel or q.dtype != like.dtype
     if fresh:
         q = _random_like(numel, state._seed(index), like)
-        state.q_memory_dict[index] = q
+        if state.warm_start:  # else drawn anew each time and not kept, as torch
+            state.q_memory_dict[index] = q
         return q
     offset = 0
     for k, m, r in shapes:
@@ -239,7 +244,9 @@ def _q_memory(state, index, numel, like, shapes) -> torch.Tensor:
 
 
 def _compressible(view: torch.Tensor, rank: int, min_rate: float) -> tuple[int, int, int] | None:
-    if view.dim() < 2:
+    """``(rows, cols, rank)`` of ``view`` as a matrix (a vector is one column, as torch
+    views it), if compressing it sends fewer numbers (times ``min_rate``)."""
+    if view.dim() < 1:
         return None
     rows = view.shape[0]
     cols = view.numel() // rows if rows else 0
