@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -118,6 +119,7 @@ class FullyShardedDataParallel(nn.Module):
                 "the module is already FSDP-wrapped; wrap the inner module once (for nested "
                 "FSDP, wrap the children first, then the parent)"
             )
+        _refuse_torch_sharded(module)
         install_optimizer_hooks()
         opts = FSDPOptions(
             process_group=process_group,
@@ -459,3 +461,29 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
 
 FSDP = FullyShardedDataParallel
 XlaFullyShardedDataParallel = FullyShardedDataParallel
+
+
+def _refuse_torch_sharded(module: nn.Module) -> None:
+    """FSDPUsageError if torch already shards ``module``: its FSDP2 (``fully_shard``) or
+    FSDP1 wrapper, or DTensor parameters. Sharding those again would fail later, at the
+    first forward, with an error about mixed tensor types."""
+    from torch.distributed.tensor import DTensor
+
+    torch_fsdp = sys.modules.get("torch.distributed.fsdp")  # loaded if the user used it
+    kinds = (torch_fsdp.FSDPModule, torch_fsdp.FullyShardedDataParallel) if torch_fsdp else ()
+    for name, sub in module.named_modules():
+        if kinds and isinstance(sub, kinds):
+            where = f"submodule {name!r}" if name else "the module"
+            raise FSDPUsageError(
+                f"{where} is already sharded by torch's FSDP ({type(sub).__name__}, e.g. "
+                "from fully_shard); wrap a module that no torch FSDP has sharded. shardkit's "
+                "checkpoint and state-dict helpers work with torch FSDP2 models as they are, "
+                "so keep torch's FSDP there, or build the model afresh for shardkit's"
+            )
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise FSDPUsageError(
+                f"parameter {name!r} is a torch DTensor (sharded by torch, e.g. fully_shard "
+                "or parallelize_module); shardkit FSDP shards plain parameters: wrap the "
+                "module before torch shards it, or keep torch's sharding"
+            )

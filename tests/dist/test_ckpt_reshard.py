@@ -192,3 +192,38 @@ def test_resharding_matrix(tmp_path):
     for key, t in sd["model"].items():
         assert torch.equal(t, _full(key)), key
     assert sd["step"] == 42
+
+
+def _only_rank_zero_saves(path):
+    import datetime
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    import shardkit.checkpoint as dcp
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    done = f"{path}.done"  # rank 1 stays up until rank 0 is through (else: peer closed)
+    if dist.get_rank() != 0:  # never calls save: the classic `if rank == 0: save(...)`
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return None
+    try:
+        dcp.save({"x": torch.ones(2)}, checkpoint_id=path, process_group=group)
+    except dcp.CheckpointError as exc:
+        return str(exc)
+    finally:
+        open(done, "w").close()
+    return "saved"
+
+
+def test_a_save_only_one_rank_calls_says_why_it_timed_out(tmp_path):
+    """Before, rank 0 waited for the group's timeout and then failed with gloo's bare
+    "Timed out waiting ... for recv operation", which does not name the mistake."""
+    message, other = run_ranks(_only_rank_zero_saves, 2, str(tmp_path / "c"), timeout=90)
+    assert other is None
+    assert "rank 0: the other ranks did not join" in message, message
+    assert "call them on every rank" in message and "no_dist=True" in message
+    assert not (tmp_path / "c" / "metadata.json").exists()

@@ -322,3 +322,31 @@ def test_a_collective_wrapper_installed_after_import_sees_fsdp_traffic():
         run_ranks(_collectives_seen_by_a_wrapper_installed_after_import, 2)
         == [["all", "reduce"]] * 2
     )
+
+
+def _wrap_torch_sharded():
+    from torch.distributed.fsdp import fully_shard
+
+    from shardkit.fsdp import FullyShardedDataParallel as FSDP
+    from shardkit.fsdp._meta import FSDPUsageError
+
+    messages = []
+    whole = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    fully_shard(whole)
+    inner = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    fully_shard(inner[0])
+    for model in (whole, inner):
+        try:
+            FSDP(model)
+        except FSDPUsageError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_a_model_torch_already_sharded_is_refused_at_wrap():
+    """Before, FSDP(fully_shard(model)) wrapped DTensor parameters a second time and the
+    first forward failed inside torch ("got mixed torch.Tensor and DTensor")."""
+    for messages in run_ranks(_wrap_torch_sharded, 2, timeout=90):
+        assert len(messages) == 2, messages
+        assert "the module is already sharded by torch's FSDP" in messages[0]
+        assert "submodule '0' is already sharded by torch's FSDP" in messages[1]

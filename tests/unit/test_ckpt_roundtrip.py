@@ -446,3 +446,19 @@ def test_a_refused_entry_leaves_the_state_dict_untouched(tmp_path, entry):
         dcp.load(target, checkpoint_id=tmp_path)
     assert torch.equal(target["w"], torch.zeros(4))
     assert torch.equal(target["pair"][0], torch.zeros(2))
+
+
+def test_keys_that_differ_by_a_wrappers_names_say_so(tmp_path):
+    """A checkpoint of a DDP/FSDP model's own state_dict() ('module.' keys) loaded into a
+    plain model: the error names the pair and get_model_state_dict, not just the keys."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    wrapped = {f"module.{k}": v for k, v in model.state_dict().items()}
+    dcp.save({"model": wrapped}, checkpoint_id=tmp_path / "w")
+    with pytest.raises(dcp.StateDictMismatchError) as info:
+        dcp.load({"model": model.state_dict()}, checkpoint_id=tmp_path / "w")
+    message = str(info.value)
+    assert "holds 'model.module.0.bias' where 'model.0.bias' is wanted" in message
+    assert "get_model_state_dict" in message
+    with pytest.raises(dcp.StateDictMismatchError) as info:  # a truly missing key: no hint
+        dcp.load({"model": {"other": torch.zeros(1)}}, checkpoint_id=tmp_path / "w")
+    assert "wrapper" not in str(info.value) and "'model.other'" in str(info.value)

@@ -48,6 +48,24 @@ def test_export_refuses_to_leave_parameters_random(gpt2_ckpt, tmp_path):
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
 
 
+def test_export_of_a_wrapped_models_keys_names_the_cause(gpt2_ckpt, tmp_path):
+    """A checkpoint of FSDP's own state_dict() ('module.' segments, as the walkthrough of
+    the manager example produced) used to fail with only the list of missing names."""
+    _, model = gpt2_ckpt
+    wrapped = {
+        k.replace("transformer.", "module.transformer.").replace(".attn.", ".module.attn."): v
+        for k, v in model.state_dict().items()
+    }
+    dcp.save({"model": wrapped}, checkpoint_id=str(tmp_path / "wrapped"))
+    for prefix in ("model.", None):  # named (nothing under it) and found (some missing)
+        with pytest.raises((ValueError, CheckpointError)) as info:
+            to_hf(tmp_path / "wrapped", tmp_path / "out", config=config("gpt2"), prefix=prefix)
+        message = str(info.value)
+        assert "under a wrapper's names" in message and "get_model_state_dict" in message
+        assert "'model.module.transformer." in message, message
+    assert "--prefix" in message
+
+
 def test_export_ambiguous_prefix_needs_a_name(gpt2_ckpt, tmp_path):
     tmp, _ = gpt2_ckpt
     with pytest.raises(ValueError, match=r"several prefixes \['a\.', 'b\.'\]"):

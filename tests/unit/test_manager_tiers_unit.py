@@ -474,3 +474,38 @@ def test_peer_header_is_checked_before_anything_is_allocated(header, words):
     with pytest.raises(CorruptCheckpointError, match=words):
         _check_header(header, 3, 1000)
     assert _check_header({"step": 3, "files": [["a", 600], ["b", 400]]}, 3, 1000)
+
+
+def test_a_clean_close_removes_a_larger_former_worlds_copies(tmp_path):
+    """A job resumed on fewer ranks used to leave the former ranks' copies (and every
+    replica) in RAM after its clean exit; only a run of the old world size removed them."""
+    import shutil
+
+    ram = tmp_path / "ram"
+    with pytest.raises(RuntimeError):  # a crash keeps the tier, as a killed 2-rank job would
+        with CheckpointManager(
+            str(tmp_path / "a"), 10, chkpt_on_preemption=False, local_tier=LocalTier(directory=ram)
+        ) as mgr:
+            mgr.save(1, {"x": torch.ones(2)})
+            raise RuntimeError("crash")
+    own = ram / "local" / "rank_00000" / "step_00000001"
+    stale = [
+        ram / "local" / "rank_00001" / "step_00000001",
+        ram / "replica" / "rank_00000" / "step_00000001",
+        ram / "replica" / "rank_00001" / "step_00000001",
+    ]
+    for path in stale:  # copies of the same run, as a 2-rank world leaves them
+        shutil.copytree(own, path)
+    foreign = ram / "local" / "rank_00002" / "step_00000001"
+    shutil.copytree(own, foreign)
+    manifest = next(
+        p for p in foreign.iterdir() if p.suffix == ".json" and p.name != "metadata.json"
+    )
+    manifest.write_text(manifest.read_text().replace(str(tmp_path / "a"), str(tmp_path / "other")))
+    with CheckpointManager(
+        str(tmp_path / "a"), 10, chkpt_on_preemption=False, local_tier=LocalTier(directory=ram)
+    ) as again:
+        again.restore(1, {"x": torch.zeros(2)})
+        again.save(2, {"x": torch.ones(2)})
+    assert not any(p.exists() for p in stale) and not own.exists()
+    assert foreign.exists()  # another run's copy in the directory is left alone

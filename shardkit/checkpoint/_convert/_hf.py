@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ... import runtime
 from .._core._errors import CheckpointError
 from .._core._format import Metadata
+from .._core._planner import unwrapped
 from .._core._storage import parse_json
 from ._io import SafetensorsStreamWriter, check_progress, checkpoint_metadata, read_full
 
@@ -167,6 +168,29 @@ def hf_template(model: Any = None, config: Any = None) -> HFTemplate:
     return HFTemplate(shapes, frozenset(params), tied, config)
 
 
+def _wrapper_note(names: Sequence[str], keys: Sequence[str], prefix: str | None) -> str:
+    """A sentence if checkpoint ``keys`` hold model parameter ``names`` (under ``prefix``;
+    None: the first name under any prefix) with a wrapper's names in them (a DDP / FSDP
+    model's own ``state_dict()``), else ''."""
+    if prefix is None:
+        tail = "." + unwrapped(names[0]) if names else None
+        held = next((k for k in keys if tail and ("." + unwrapped(k)).endswith(tail)), None)
+    else:
+        plain = {unwrapped(k): k for k in keys if k.startswith(prefix)}
+        start = unwrapped(prefix + "x")[:-1]  # the prefix as it reads unwrapped
+        held = next(
+            (plain[start + unwrapped(n)] for n in names if start + unwrapped(n) in plain), None
+        )
+    if held is None:
+        return ""
+    return (
+        f" The checkpoint holds {held!r} under a wrapper's names (DDP and FSDP add 'module.'): "
+        "it was saved from a wrapped model's state_dict(). Save "
+        "shardkit.checkpoint.state_dict.get_model_state_dict(model) instead, whose keys carry "
+        "no wrapper names."
+    )
+
+
 def _pick_prefix(prefix: str | None, template: HFTemplate, keys: Sequence[str]) -> str:
     """The checkpoint prefix the model's keys live under (``None``: find it)."""
     needed = [k for k in template.params if k not in template.tied]
@@ -180,7 +204,8 @@ def _pick_prefix(prefix: str | None, template: HFTemplate, keys: Sequence[str]) 
             sample = sorted(have)[:5]
             raise ValueError(
                 f"no parameter of the model is under prefix {prefix!r} in the checkpoint "
-                f"(its keys start like {sample}); pick another prefix"
+                f"(its keys start like {sample}); pick another prefix."
+                + _wrapper_note(needed, keys, prefix)
             )
         return prefix
     probe = min(needed, key=len) if needed else None
@@ -194,7 +219,8 @@ def _pick_prefix(prefix: str | None, template: HFTemplate, keys: Sequence[str]) 
     if not scored:
         raise ValueError(
             f"the checkpoint holds none of the model's parameters (looked for {probe!r} under "
-            "any prefix); is it the checkpoint of this model? pass prefix= to name its subtree"
+            "any prefix); is it the checkpoint of this model? pass prefix= (the command "
+            "line's --prefix) to name its subtree." + _wrapper_note([probe], keys, None)
         )
     best = [c for n, c in scored if n == scored[0][0]]
     if len(best) > 1:
@@ -235,10 +261,12 @@ def _plan(
             out_dtype = dtype
         rows.append((name, source, out_dtype, tuple(meta.shape)))
     if missing:
+        hint = _wrapper_note(missing, list(tensors), prefix)
         raise CheckpointError(
             f"the checkpoint (prefix {prefix!r}) lacks {len(missing)} parameter(s) of the model: "
-            f"{missing[:20]}; from_pretrained would initialise them randomly. Export the right "
-            "checkpoint, or name its model subtree with prefix="
+            f"{missing[:20]}; from_pretrained would initialise them randomly.{hint} Export the "
+            "right checkpoint, or name its model subtree with prefix= (the command line's "
+            "--prefix)"
         )
     if mismatched:
         raise CheckpointError(f"shapes differ from the model's: {mismatched[:20]}")

@@ -37,14 +37,30 @@ class Comm:
         device = self._device()
         size = torch.tensor([len(raw)], dtype=torch.int64, device=device)
         sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
+        self._all_gather(sizes, size)
         lengths = [int(s.item()) for s in sizes]
         buf = torch.zeros(max(lengths), dtype=torch.uint8)
         buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         buf = buf.to(device)
         outs = [torch.empty_like(buf) for _ in range(self.world_size)]
-        dist.all_gather(outs, buf, group=self.group)
+        self._all_gather(outs, buf)
         return [json.loads(bytes(o[:n].cpu().numpy())) for o, n in zip(outs, lengths)]
+
+    def _all_gather(self, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
+        """``dist.all_gather``; a timeout says the likely cause: a save or load that not
+        every rank called (``if rank == 0: save(...)``) waits until the group's timeout."""
+        try:
+            dist.all_gather(outs, mine, group=self.group)
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            raise CheckpointError(
+                f"rank {self.rank}: the other ranks did not join this checkpoint operation "
+                f"within the process group's timeout ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0]}). save, load and async_save are collective: call "
+                "them on every rank of the group, in the same order (not under `if rank == "
+                "0:`); to save from one process alone, pass no_dist=True"
+            ) from exc
 
     def agree(self, error: BaseException | None, what: str, payload: Any = None) -> list[Any]:
         """Exchange success flags (and payloads); if any rank failed, every rank raises.

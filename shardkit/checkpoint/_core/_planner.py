@@ -260,6 +260,30 @@ class DefaultSavePlanner(SavePlanner):
         return _region(self.flat.tensors[item.key], item.box)
 
 
+def unwrapped(key: str) -> str:
+    """``key`` without the segments wrappers add (DDP / FSDP ``module.``, activation
+    checkpointing, ``torch.compile``)."""
+    parts = key.split(".")
+    skip = {"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+    return ".".join(p for p in parts if p not in skip)
+
+
+def _wrapper_hint(missing: list[str], saved: Any) -> str:
+    """A sentence for keys the checkpoint holds under a wrapper's names, else ''."""
+    by_plain = {unwrapped(k): k for k in saved}
+    pairs = [(k, by_plain[unwrapped(k)]) for k in missing if unwrapped(k) in by_plain]
+    if not pairs:
+        return ""
+    want, have = pairs[0]
+    return (
+        f"the checkpoint holds {have!r} where {want!r} is wanted ({len(pairs)} such key(s)): "
+        "the keys differ only by a wrapper's names (DDP and FSDP add 'module.'), so one side "
+        "is a wrapped model's state_dict(). Use shardkit.checkpoint.state_dict."
+        "get_model_state_dict(model), whose keys carry no wrapper names, to save and to load "
+        "(or save and load the same wrapping); else "
+    )
+
+
 class DefaultLoadPlanner(LoadPlanner):
     """Reads, for each local tensor, only the saved chunks' overlap with its box.
 
@@ -338,9 +362,12 @@ class DefaultLoadPlanner(LoadPlanner):
             return
         if missing and not self.allow_partial_load:
             raise StateDictMismatchError(
-                f"{on_rank()}Missing key in checkpoint state_dict: {missing}; load a "
-                "checkpoint that has them, remove them from the state dict, or pass "
-                "planner=DefaultLoadPlanner(allow_partial_load=True) to leave them as they are"
+                f"{on_rank()}Missing key in checkpoint state_dict: {missing}; "
+                f"{_wrapper_hint(missing, md.keys())}load a checkpoint that has them, remove "
+                "them from the state dict, or pass planner=DefaultLoadPlanner("
+                "allow_partial_load=True) to shardkit.checkpoint.load to leave them as they are "
+                "(CheckpointManager.restore loads every key: load the step's directory with "
+                "shardkit.checkpoint.load for that)"
             )
 
     def create_local_plan(self) -> LoadPlan:

@@ -127,8 +127,10 @@ def _refuse_pickle(flat: Flat, planner: SavePlanner) -> None:
         key, value = next(iter(flat.objects.items()))
         raise TypeError(
             f"key {key!r}: a {type(value).__name__} is neither a tensor nor a JSON value, so "
-            "saving it needs pickle (and loading it would run code). Convert it to tensors/JSON, "
-            "or opt in with planner=DefaultSavePlanner(allow_pickle=True)"
+            "saving it needs pickle (and loading it would run code). Convert it to tensors/JSON "
+            "(or make it a Stateful: state_dict() / load_state_dict()), or opt in with "
+            "shardkit.checkpoint.save(..., planner=DefaultSavePlanner(allow_pickle=True)); "
+            "CheckpointManager never pickles"
         )
 
 

@@ -430,6 +430,23 @@ class LocalStore:
         except OSError:
             pass
 
+    def remove_stale(self, *, replicas: bool) -> None:
+        """Remove this run's copies that no rank of this world will use: those of ranks
+        outside it (left by a larger world), and every replica unless ``replicas`` (this
+        world keeps none)."""
+        for kind in ("local", "replica"):
+            base = os.path.join(self.root, "local" if kind == "local" else "replica")
+            try:
+                names = os.listdir(base)
+            except OSError:
+                continue
+            for name in names:
+                m = _RANK.match(name)
+                if m and (
+                    int(m.group(1)) >= self.world_size or (kind == "replica" and not replicas)
+                ):
+                    self.remove(kind, int(m.group(1)))
+
     def remove_step(self, kind: str, src: int, step: int) -> None:
         self._remove(self.copy_path(kind, src, step))
 

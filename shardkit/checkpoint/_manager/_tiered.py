@@ -452,6 +452,7 @@ class TierEngine:
                 self.store.remove("local", self.rank)
                 if self.source is not None:
                     self.store.remove("replica", self.source)
+                self.store.remove_stale(replicas=self.source is not None)  # a former world's
                 self.store.prune_empty(parent=self._default_dir)
         self._raise_errors()
 
