@@ -73,3 +73,21 @@ def test_failed_metadata_commit_leaves_no_temporary(tmp_path, monkeypatch):
         dcp.save(_state(1.0), checkpoint_id=path)
     assert not [n for n in os.listdir(path) if ".tmp-" in n or n == "metadata.json"]
     assert not dcp.is_committed(path)
+
+
+def test_a_write_error_names_the_file(tmp_path, monkeypatch):
+    """write() and fsync() errors carry no file name: a full disk said only "[Errno 28]
+    No space left on device", not where."""
+    real = os.write
+
+    def full(fd, data):
+        if len(data) > 1000:  # the data files, not the small metadata
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+
+    monkeypatch.setattr(_storage.os, "write", full)
+    with pytest.raises(OSError) as info:
+        dcp.save(_state(1.0), checkpoint_id=tmp_path / "c")
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename and info.value.filename.startswith(str(tmp_path / "c"))
+    assert str(tmp_path / "c") in str(info.value)

@@ -203,3 +203,12 @@ def test_call_validation(tmp_path):
             mgr.save(1, _state(1), metrics={"loss": object()})
     with pytest.raises(ValueError, match="closed"):
         mgr.save(2, _state(2))
+
+
+def test_a_path_that_is_a_file_is_refused_at_construction(tmp_path):
+    """Before, the first save failed taking the writer's lease, with a FileExistsError."""
+    path = tmp_path / "not_a_dir"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="is a file; it must be a directory"):
+        CheckpointManager(str(path), 1, chkpt_on_preemption=False)
+    assert path.read_text() == "x"

@@ -423,6 +423,11 @@ def _write_local(
             os.ftruncate(fd, written)
         if sync:
             os.fsync(fd)
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        # write() and fsync() errors (ENOSPC, EIO, EDQUOT) name no file: name it
+        raise type(exc)(exc.errno, exc.strerror, path) from exc
     finally:
         os.close(fd)
 

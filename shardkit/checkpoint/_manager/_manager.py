@@ -144,6 +144,11 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         )
         self._store = StepStore(os.fspath(path), storage_options)
         self.path = self._store.url
+        if self._store.fs.isfile(self._store.root):
+            raise ValueError(
+                f"CheckpointManager path {self.path!r} is a file; it must be a directory (or "
+                "not exist yet), where each step becomes a subdirectory"
+            )
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self._lease = Lease(self._store.fs, self._store.root, ttl=float(lease_ttl))
         self._init_groups(process_group, async_process_group)
