@@ -183,6 +183,15 @@ class FullyShardedDataParallel(nn.Module):
                 raise
             return getattr(self._modules["module"], name)
 
+    def __getitem__(self, key: int) -> Any:
+        """Index the wrapped module (a wrapped ``nn.Sequential``), as torch_xla's FSDP."""
+        return self._modules["module"].__getitem__(key)
+
+    @property
+    def params_with_grad(self) -> list[nn.Parameter]:
+        """This rank's parameter shards that have a gradient (torch_xla's property)."""
+        return [p for p in self.parameters() if p.grad is not None]
+
     # -- root ------------------------------------------------------------------------
     def _lazy_init(self) -> None:
         if self._is_root is not None:

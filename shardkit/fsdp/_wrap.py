@@ -23,8 +23,9 @@ _EXCLUDED = (nn.ModuleList, nn.ModuleDict)
 _LEAVES = (nn.MultiheadAttention,)
 
 
-def always_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-    """Wrap every submodule (as torch's and torch_xla's ``always_wrap_policy``)."""
+def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
+    """Wrap every submodule (as torch's and torch_xla's ``always_wrap_policy``; any
+    arguments, positional or by name)."""
     return True
 
 
@@ -45,10 +46,18 @@ def size_based_auto_wrap_policy(
     """
     large = nonwrapped_numel >= min_num_params
     if recurse:
-        leaves = tuple(force_leaf_modules) if force_leaf_modules is not None else _LEAVES
+        leaves = size_based_auto_wrap_policy.FORCE_LEAF_MODULES
+        leaves = tuple(force_leaf_modules if force_leaf_modules is not None else leaves)
         return large and not isinstance(module, leaves)
-    excluded = tuple(exclude_wrap_modules) if exclude_wrap_modules is not None else _EXCLUDED
+    excluded = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
+    excluded = tuple(exclude_wrap_modules if exclude_wrap_modules is not None else excluded)
     return large and not isinstance(module, excluded)
+
+
+# The defaults, as torch_xla keeps them on the function ("easy to be imported"); changing
+# these sets changes every later call that does not pass its own.
+size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = set(_EXCLUDED)  # type: ignore[attr-defined]
+size_based_auto_wrap_policy.FORCE_LEAF_MODULES = set(_LEAVES)  # type: ignore[attr-defined]
 
 
 def transformer_auto_wrap_policy(

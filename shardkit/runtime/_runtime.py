@@ -119,13 +119,19 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def use_spmd() -> None:
+def use_spmd(auto: bool | None = False) -> None:
     """Declare SPMD mode: one program, every rank holds a shard of each sharded tensor.
 
     shardkit is always SPMD-capable; the call exists so code written for XLA's
     ``xr.use_spmd()`` runs unchanged. It also joins the process group if needed.
+    ``auto=True`` (XLA's automatic sharding) has no counterpart and is refused.
     """
     global _spmd_enabled
+    if auto:
+        raise NotImplementedError(
+            "use_spmd(auto=True): XLA's automatic sharding has no counterpart in shardkit; "
+            "annotate tensors with mark_sharding (or shard modules) instead"
+        )
     init()
     _spmd_enabled = True
 

@@ -58,10 +58,21 @@ class XLAShard:
 
     @property
     def unpadded_data(self) -> torch.Tensor:
-        """``data`` without the padding."""
+        """``data`` without the padding; assigning to it writes into ``data`` (as
+        torch_xla's setter; the shard's tensor itself is not changed)."""
         if self.indices is Ellipsis:
             return self.data
         return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
+
+    @unpadded_data.setter
+    def unpadded_data(self, value: torch.Tensor) -> None:
+        target = self.unpadded_data
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"XLAShard.unpadded_data: a tensor of shape {tuple(target.shape)} is needed, "
+                f"got {tuple(value.shape)}"
+            )
+        target.copy_(value)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -466,6 +477,6 @@ def keep_grad_placement(param: ShardedTensor) -> None:
     param.register_post_accumulate_grad_hook(hook)
 
 
-def clear_sharding(st: torch.Tensor) -> torch.Tensor:
+def clear_sharding(t: torch.Tensor) -> torch.Tensor:
     """The full tensor behind a ShardedTensor (a plain tensor passes through)."""
-    return st.full_tensor() if isinstance(st, ShardedTensor) else st
+    return t.full_tensor() if isinstance(t, ShardedTensor) else t

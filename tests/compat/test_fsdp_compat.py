@@ -526,3 +526,27 @@ def test_checkpoint_module_and_shard_metadata_as_torch_xla():
     meta = model.get_shard_metadata()
     assert {"world_size", "rank", "params", "buffers"} <= set(meta)
     assert set(meta["params"]) == set(model.state_dict())
+
+
+def test_torch_xla_fsdp_surface_indexing_params_with_grad_and_policy_defaults():
+    """Names torch_xla's FSDP and wrap module offer that ported code uses (an audit
+    against torch_xla's source): ``fsdp[0]``, ``params_with_grad``, a policy called by
+    keyword, and the policy defaults kept on the function."""
+    from shardkit.fsdp import FSDP
+    from shardkit.fsdp.wrap import always_wrap_policy, size_based_auto_wrap_policy
+
+    model = FSDP(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
+    assert isinstance(model[0], nn.Linear) and isinstance(model[1], nn.ReLU)
+    assert model.params_with_grad == []
+    model(torch.randn(5, 4)).sum().backward()
+    assert len(model.params_with_grad) == 4
+    assert always_wrap_policy(module=model, recurse=True, unwrapped_params=3)
+    assert size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES == {nn.ModuleList, nn.ModuleDict}
+    assert size_based_auto_wrap_policy.FORCE_LEAF_MODULES == {nn.MultiheadAttention}
+    mha = nn.MultiheadAttention(4, 2)
+    assert not size_based_auto_wrap_policy(mha, True, 10**9)  # a forced leaf
+    size_based_auto_wrap_policy.FORCE_LEAF_MODULES = set()
+    try:
+        assert size_based_auto_wrap_policy(mha, True, 10**9)  # the set is the default
+    finally:
+        size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}

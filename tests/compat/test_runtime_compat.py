@@ -112,3 +112,10 @@ def test_two_ranks_match_torch_distributed():
     for view in run_ranks(_rank_view, 2, timeout=90):
         for name, (ours, expected) in view.items():
             assert ours == expected, name
+
+
+def test_use_spmd_takes_torch_xlas_auto_false_and_refuses_auto_true():
+    xr.use_spmd(auto=False)
+    assert xr.is_spmd()
+    with pytest.raises(NotImplementedError, match="automatic sharding"):
+        xr.use_spmd(auto=True)

@@ -264,3 +264,16 @@ def test_rule_matrix_with_empty_shards(two_ranks):
     bad = {k: v for k, v in matrix.items() if v != "ok"}
     assert bad == {}
     assert two_ranks[1]["empty_matrix"] == matrix
+
+
+def test_torch_xla_names_clear_sharding_t_and_unpadded_data_setter(one):
+    """``clear_sharding(t=...)`` (torch_xla's parameter name) and ``XLAShard``'s
+    ``unpadded_data`` setter, which writes into the padded ``data``."""
+    mesh = xs.Mesh([0], (1,), ("x",))
+    st = xs.mark_sharding(torch.arange(6.0).reshape(3, 2), mesh, ("x", None))
+    assert torch.equal(xs.clear_sharding(t=st), torch.arange(6.0).reshape(3, 2))
+    shard = st.local_shards[0]
+    shard.unpadded_data = torch.ones(3, 2)
+    assert torch.equal(shard.data[:3], torch.ones(3, 2))
+    with pytest.raises(ValueError, match="shape"):
+        shard.unpadded_data = torch.ones(2, 2)

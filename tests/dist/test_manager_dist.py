@@ -220,3 +220,31 @@ def test_manager_on_three_ranks_and_a_subgroup(tmp_path):
         assert r["w3_steps"] == [4, 6] and r["w3_ok"]
     for r in res[1:]:
         assert r["sub_steps"] == [0, 1, 2] and r["sub_ok"]
+
+
+def _one_rank_signalled(root):
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from shardkit.checkpoint import CheckpointManager
+
+    rank = dist.get_rank()
+    with CheckpointManager(root, 100, preemption_signal=signal.SIGUSR1) as mgr:
+        answers = []
+        for step in range(1, 6):
+            if step == 3 and rank == 1:  # one rank alone gets the signal
+                os.kill(os.getpid(), signal.SIGUSR1)
+            due = mgr.should_save(step)
+            answers.append(due)
+            if due:
+                mgr.save(step, {"x": torch.full((4,), float(step))})
+            if mgr.reached_preemption(step):
+                break
+        return answers, mgr.all_steps()
+
+
+def test_should_save_agrees_on_a_signal_only_one_rank_received(tmp_path):
+    for answers, steps in run_ranks(_one_rank_signalled, 2, str(tmp_path / "r"), timeout=90):
+        assert answers == [False, False, True] and steps == [3], (answers, steps)

@@ -171,6 +171,22 @@ def test_preemption_signal_forces_one_off_interval_save(tmp_path):
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 
 
+def test_should_save_reports_a_received_preemption_signal_as_torch_xla(tmp_path):
+    """torch_xla's loop ``if mgr.should_save(step): mgr.save(step, state)`` never took the
+    preemption checkpoint: should_save looked at the interval only."""
+    with CheckpointManager(str(tmp_path / "run"), 10, preemption_signal=signal.SIGUSR1) as mgr:
+        saved = []
+        for step in range(1, 30):
+            if step == 13:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if mgr.should_save(step) and mgr.save(step, _state(step)):
+                saved.append(step)
+            if mgr.reached_preemption(step):
+                break
+        assert saved == [10, 13] and step == 13
+        assert not mgr.should_save(14)  # the preemption checkpoint is taken: the interval again
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
@@ -212,3 +228,28 @@ def test_a_path_that_is_a_file_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match="is a file; it must be a directory"):
         CheckpointManager(str(path), 1, chkpt_on_preemption=False)
     assert path.read_text() == "x"
+
+
+def test_torch_xla_step_directories_are_named_and_convert_to_steps(tmp_path, caplog):
+    """torch_xla's manager keeps each step as ``<path>/<step>/`` (torch DCP). shardkit's
+    listed none of them without a word, so a migrated run restarted from step 0."""
+    import logging
+    import warnings
+
+    import torch.distributed.checkpoint as torch_dcp
+
+    from shardkit.checkpoint.format_utils import import_torch_dcp
+
+    root = tmp_path / "xla_run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "assuming the intent is to save in a single..."
+        torch_dcp.save({"x": torch.arange(4.0)}, checkpoint_id=root / "100", no_dist=True)
+    with caplog.at_level(logging.WARNING):
+        mgr = CheckpointManager(str(root), 100, chkpt_on_preemption=False)
+        assert mgr.all_steps() == []
+    message = next(r.getMessage() for r in caplog.records if "torch_xla" in r.getMessage())
+    assert "['100']" in message and "--from torch-dcp" in message and "step_00000100" in message
+    import_torch_dcp(root / "100", root / "step_00000100", progress=False)  # what it says
+    assert mgr.all_steps() == [100]
+    assert torch.equal(mgr.restore(100, {"x": torch.zeros(4)})["x"], torch.arange(4.0))
+    mgr.close()

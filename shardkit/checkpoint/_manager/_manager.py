@@ -279,8 +279,21 @@ class CheckpointManager(BackgroundMethods, TierMethods):
     # -- queries ------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is on the interval and newer than every step saved so far
-        (of the persistent tier, or of the local tier when there is one)."""
+        (of the persistent tier, or of the local tier when there is one), or a rank
+        received the preemption signal, as in torch_xla: so ``if mgr.should_save(step):
+        mgr.save(step, state)`` takes the preemption checkpoint too.
+
+        While watching for preemption (before it was taken) this is collective, one
+        small all-reduce: call it on every rank at the same steps, as :meth:`save`.
+        """
         step = self._check_step(step)
+        if self._watcher is not None and self._preemption_step is None:
+            self._check_open()
+            (signalled,), _ = flags_and_ranges(
+                [self._watcher.received()], [], self._ctrl, len(self._ranks)
+            )
+            if signalled:
+                return True
         if self._tiers is not None and self._tiers.due(step):
             return True
         return step % self.save_interval == 0 and (

@@ -79,18 +79,38 @@ class StepStore:
         self.fs.invalidate_cache(self.root)  # other ranks/processes wrote since
         if not self.fs.exists(self.root):
             return []
-        steps = []
+        steps, foreign = [], []
         for entry in self.fs.ls(self.root, detail=True):
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             match = _STEP_DIR.match(name)
             if not match:
+                if name.isdigit() and entry.get("type") == "directory":
+                    foreign.append(name)
                 continue
             step = int(match.group(1))
             if entry.get("islink") or (self.local and os.path.islink(self._step_path(step))):
                 self._warn_once(step, "its directory is a symlink (a checkpoint is a directory)")
             elif entry.get("type") == "directory":
                 steps.append(step)
+        if foreign:
+            self._warn_foreign(sorted(foreign, key=int))
         return sorted(steps)
+
+    def _warn_foreign(self, names: list[str]) -> None:
+        """Once per manager: step directories as torch_xla's CheckpointManager names them
+        (``<path>/<step>/``, torch DCP format), which this manager does not read."""
+        if getattr(self, "_warned_foreign", False):
+            return
+        self._warned_foreign = True
+        first = names[-1]
+        log.warning(
+            f"{self.url} holds directories named like torch_xla CheckpointManager steps "
+            f"({names[:5]}{' ...' if len(names) > 5 else ''}); shardkit's manager lists only "
+            f"step_<step> directories in its own format, so it does not see them. Convert each "
+            f"one you need (they are torch DCP checkpoints): `shardkit ckpt convert "
+            f"{self.url}/{first} {self.url}/{step_dir_name(int(first))} --from torch-dcp --to "
+            "shardkit`"
+        )
 
     def has_marker(self, step: int) -> bool:
         """Whether the step's metadata file (written last, as the commit) exists."""
