@@ -28,8 +28,10 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401  (registers its exit callback before ours)
 import ctypes
+import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -142,4 +144,27 @@ def _final_barrier() -> None:
     """
     work = dist.barrier(async_op=True)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+    wait_at_exit(work, dist.get_rank())
+
+
+def wait_at_exit(work, rank: int) -> None:
+    """``work.wait()``, saying on stderr why, once the wait passes
+    ``SHARDKIT_EXIT_WAIT_WARN`` seconds (default 30): a rank that finished waits for the
+    others, which is right while they still work but lasts until the group's timeout
+    when one is blocked in a collective this rank never called."""
+    after = float(os.environ.get("SHARDKIT_EXIT_WAIT_WARN", "30"))
+    start, pause, warned = time.monotonic(), 0.0005, False
+    while not work.is_completed():
+        if not warned and time.monotonic() - start >= after:
+            warned = True
+            print(
+                f"shardkit: rank {rank} finished and has waited {after:g} s at exit for the "
+                "other ranks. If one is blocked in a collective this rank never called (e.g. "
+                "`if rank == 0: st.full_tensor()`, or a save on one rank only), this lasts "
+                "until the process group's timeout; call collectives on every rank",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
     work.wait()

@@ -347,16 +347,26 @@ def fallback(func, args: tuple, kwargs: dict, *, reason: str = "it has no shardi
     f_args, f_kwargs = tree_unflatten(full_flat, spec)
     out = func(*f_args, **f_kwargs)
 
-    mutated = {}
+    writes = []
     for position, arg_name in _mutated_positions(func):
         original = args[position] if position < len(args) else kwargs.get(arg_name)
         computed = f_args[position] if position < len(f_args) else f_kwargs.get(arg_name)
         if isinstance(original, ShardedTensor):
-            placement = original._placement.without_partial()
-            box = placement.box(original.shape)
-            original._local_tensor.copy_(computed[box.slices()])
-            original._placement = placement
-            mutated[id(computed)] = original
+            if tuple(computed.shape) != tuple(original.shape):
+                raise NotImplementedError(
+                    f"shardkit: {name} changes the shape of a ShardedTensor in place "
+                    f"({tuple(original.shape)} -> {tuple(computed.shape)}), which its layout "
+                    f"cannot follow; use the out-of-place op (e.g. t = t.t() for t.t_()) "
+                    f"and mark_sharding the result"
+                )
+            writes.append((original, computed))
+    mutated = {}
+    for original, computed in writes:
+        placement = original._placement.without_partial()
+        box = placement.box(original.shape)
+        original._local_tensor.copy_(computed[box.slices()])
+        original._placement = placement
+        mutated[id(computed)] = original
 
     def wrap(value):
         if not isinstance(value, torch.Tensor):

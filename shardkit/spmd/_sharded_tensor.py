@@ -303,6 +303,28 @@ class ShardedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch.dispatch(func, args, kwargs or {})
 
+    def __setitem__(self, key, value) -> None:
+        """``st[key] = value``: with ints and slices, each rank writes the selected
+        entries of its own shard (torch's slice-then-copy would write into a copy of a
+        sharded dim's slice and be lost); other keys take torch's indexing path."""
+        from ._setitem import basic_key, write_basic
+
+        index = basic_key(key, self.shape)
+        if index is None:
+            return super().__setitem__(key, value)
+        if torch.is_grad_enabled() and (
+            self.requires_grad or (isinstance(value, torch.Tensor) and value.requires_grad)
+        ):
+            whole = [slice(0, n, 1) for n in self.shape]
+            spec = self._placement.spec
+            if all(not axes or k == w for k, w, axes in zip(index, whole, spec)):
+                return super().__setitem__(key, value)  # a view of the shard: autograd sees it
+            raise NotImplementedError(
+                "st[key] = value selecting part of a sharded dim, under autograd: write under "
+                "torch.no_grad(), or build the result out of place (torch.where, torch.cat)"
+            )
+        write_basic(self, index, value)
+
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod

@@ -58,3 +58,29 @@ def test_xla_rendezvous_is_registered_and_resolves_a_world_of_one(env):
     store.set("k", "v")
     assert store.get("k") == b"v"
     assert _rendezvous.SCHEME == "xla"
+
+
+def test_a_long_wait_at_exit_says_why_on_stderr(monkeypatch, capsys):
+    """A rank that finished waits at exit for the others; when one of them is stuck in a
+    collective only it called (`if rank == 0: st.full_tensor()`), that wait lasted the
+    group's timeout (10 minutes) with no word. Now it says why after a while."""
+    from shardkit.runtime._teardown import wait_at_exit
+
+    class Work:  # completes after a few polls, as a barrier the others reach late
+        polls, waited = 0, False
+
+        def is_completed(self):
+            self.polls += 1
+            return self.polls > 12
+
+        def wait(self):
+            self.waited = True
+
+    monkeypatch.setenv("SHARDKIT_EXIT_WAIT_WARN", "0.01")
+    work = Work()
+    wait_at_exit(work, 1)
+    err = capsys.readouterr().err
+    assert work.waited and "rank 1 finished and has waited" in err and "every rank" in err
+    monkeypatch.setenv("SHARDKIT_EXIT_WAIT_WARN", "30")
+    wait_at_exit(Work(), 1)  # a short wait says nothing
+    assert capsys.readouterr().err == ""

@@ -127,3 +127,17 @@ def test_spmd_fsdp_shards_parameters_on_dim_0():
     assert specs == {"weight": ("fsdp", None), "bias": ("fsdp",)}
     out = model(torch.randn(4, 3))
     assert isinstance(out, xs.ShardedTensor) and out.partition_spec == ("fsdp", None)
+
+
+@pytest.mark.parametrize("op, args", [("t_", ()), ("resize_", (5, 4)), ("transpose_", (0, 1))])
+def test_an_in_place_op_that_changes_the_shape_is_refused_and_changes_nothing(op, args):
+    """The fallback wrote such a result back through the old layout: wrong values on 2
+    ranks, a confusing size error on 1."""
+    import shardkit.spmd as xs
+
+    mesh = xs.Mesh([0], (1,), ("d",))
+    st = xs.mark_sharding(torch.arange(20.0).reshape(4, 5), mesh, ("d", None))
+    with pytest.raises(NotImplementedError, match=f"{op} changes the shape"):
+        getattr(st, op)(*args)
+    assert tuple(st.shape) == (4, 5)
+    assert torch.equal(st.full_tensor(), torch.arange(20.0).reshape(4, 5))
