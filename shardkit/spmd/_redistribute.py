@@ -90,7 +90,14 @@ def redistribute_local(
 ) -> torch.Tensor:
     """This rank's local tensor under ``dst``, given its local tensor under ``src``."""
     mesh = src.mesh
-    assert mesh == dst.mesh, "redistribution across meshes is not supported"
+    if mesh != dst.mesh:
+        from ._errors import MeshError
+
+        raise MeshError(
+            f"cannot move a tensor from mesh {src.mesh} to mesh {dst.mesh}: an op's sharded "
+            "operands must share one mesh. Put them on one first, e.g. "
+            "xs.mark_sharding(t.full_tensor(), other_mesh, spec)"
+        )
     scattered = _reduce_scatter(local, global_shape, src, dst) if src.partial else None
     if scattered is not None:
         local, src = scattered

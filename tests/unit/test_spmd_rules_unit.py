@@ -141,3 +141,12 @@ def test_an_in_place_op_that_changes_the_shape_is_refused_and_changes_nothing(op
         getattr(st, op)(*args)
     assert tuple(st.shape) == (4, 5)
     assert torch.equal(st.full_tensor(), torch.arange(20.0).reshape(4, 5))
+
+
+def test_operands_on_two_meshes_raise_a_mesh_error_naming_both():
+    """Before: a bare AssertionError "redistribution across meshes is not supported"."""
+    a = xs.mark_sharding(torch.randn(4, 4), xs.Mesh([0], (1,), ("x",)), ("x", None))
+    b = xs.mark_sharding(torch.randn(4, 4), xs.Mesh([0], (1,), ("y",)), ("y", None))
+    with pytest.raises(xs.MeshError, match="operands must share one mesh") as info:
+        a @ b.T
+    assert isinstance(info.value, AssertionError)  # torch_xla's class, as the other errors
