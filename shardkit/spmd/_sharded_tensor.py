@@ -293,6 +293,16 @@ class ShardedTensor(torch.Tensor):
             f"mesh={self.mesh}, local={self._local_tensor!r})"
         )
 
+    def tolist(self):
+        """The full tensor's values as nested lists (torch refuses ``tolist`` for tensor
+        subclasses). Collective, as :meth:`full_tensor`: call it on every rank."""
+        return self.full_tensor().tolist()
+
+    def numpy(self, *, force: bool = False):
+        """The full tensor as a numpy array (torch refuses ``numpy`` for tensor
+        subclasses). Collective, as :meth:`full_tensor`: call it on every rank."""
+        return self.full_tensor().numpy(force=force)
+
     def __reduce_ex__(self, protocol):
         raise TypeError(
             "a ShardedTensor cannot be pickled; save it with shardkit.checkpoint.save, "

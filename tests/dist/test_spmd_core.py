@@ -216,6 +216,10 @@ def _writes_through_basic_keys():
     except NotImplementedError:
         refused = True
     ok_param = torch.equal(param.detach().full_tensor()[1:4], torch.full((3, 4), 3.0))
+    # torch refuses tolist() / numpy() for tensor subclasses; these give the full values
+    values = param.detach().full_tensor()
+    ok_param = ok_param and param.detach().tolist() == values.tolist()
+    ok_param = ok_param and bool((param.detach().numpy() == values.numpy()).all())
     return wrong, refused, ok_param
 
 
