@@ -195,11 +195,14 @@ class DistributedDataParallel(nn.Module, Joinable):
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts rank 0's buffers: buffers are synced, there
         are some, and the previous forward was a synced training forward (as torch)."""
-        return (
-            self.require_forward_param_sync
-            and self.forward_sync_buffers
-            and bool(self._synced_buffers())
-        )
+        return bool(self._buffers_to_sync())
+
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        """The buffers the next forward broadcasts (see :meth:`will_sync_module_buffers`),
+        listed once per forward."""
+        if self.require_forward_param_sync and self.forward_sync_buffers:
+            return self._synced_buffers()
+        return []
 
     def _verify_same_parameters(self, params: list[torch.Tensor]) -> None:
         """Every rank must hold the same parameter shapes, or buckets would mismatch."""
@@ -239,8 +242,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             sync = torch.is_grad_enabled() and self.require_backward_grad_sync
             count, _, src = exchange(self, active=True, sync=sync)
             self.reducer.sum_divisor = None if self._join_divide_by_initial else count
-        if self._world > 1 and self.will_sync_module_buffers():
-            self._broadcast(self._synced_buffers(), src=src)
+        buffers = self._buffers_to_sync() if self._world > 1 else []
+        if buffers:
+            self._broadcast(buffers, src=src)
         outputs = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = (
             torch.is_grad_enabled() and self.require_backward_grad_sync

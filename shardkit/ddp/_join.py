@@ -51,8 +51,9 @@ class DDPJoinHook(JoinHook):
         """Shadow one iteration of the ranks still training."""
         ddp = self.ddp
         _count, syncing, src = exchange(ddp, active=False, sync=False)
-        if ddp.will_sync_module_buffers():  # as the ranks still training decide it
-            ddp._broadcast(ddp._synced_buffers(), src=src)
+        buffers = ddp._buffers_to_sync()  # as the ranks still training decide it
+        if buffers:
+            ddp._broadcast(buffers, src=src)
         ddp.require_forward_param_sync = bool(syncing)
         if syncing:
             ddp.reducer.shadow_backward()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ... import runtime
 from .._core._errors import CheckpointError
 from .._core._format import Metadata
-from .._core._planner import unwrapped
+from .._core._planner import unwrapped, wrapped_pairs
 from .._core._storage import parse_json
 from ._io import SafetensorsStreamWriter, check_progress, checkpoint_metadata, read_full
 
@@ -176,11 +176,9 @@ def _wrapper_note(names: Sequence[str], keys: Sequence[str], prefix: str | None)
         tail = "." + unwrapped(names[0]) if names else None
         held = next((k for k in keys if tail and ("." + unwrapped(k)).endswith(tail)), None)
     else:
-        plain = {unwrapped(k): k for k in keys if k.startswith(prefix)}
-        start = unwrapped(prefix + "x")[:-1]  # the prefix as it reads unwrapped
-        held = next(
-            (plain[start + unwrapped(n)] for n in names if start + unwrapped(n) in plain), None
-        )
+        under = [k for k in keys if k.startswith(prefix)]
+        pairs = wrapped_pairs([prefix + n for n in names], under)
+        held = pairs[0][1] if pairs else None
     if held is None:
         return ""
     return (

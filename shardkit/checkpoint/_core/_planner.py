@@ -8,6 +8,7 @@ from __future__ import annotations
 import abc
 import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,10 +269,16 @@ def unwrapped(key: str) -> str:
     return ".".join(p for p in parts if p not in skip)
 
 
+def wrapped_pairs(wanted: Iterable[str], saved: Iterable[str]) -> list[tuple[str, str]]:
+    """``(wanted key, saved key)`` for each wanted key that a saved key equals once both
+    lose the segments wrappers add: the two sides came from differently wrapped models."""
+    by_plain = {unwrapped(k): k for k in saved}
+    return [(k, by_plain[u]) for k in wanted if (u := unwrapped(k)) in by_plain]
+
+
 def _wrapper_hint(missing: list[str], saved: Any) -> str:
     """A sentence for keys the checkpoint holds under a wrapper's names, else ''."""
-    by_plain = {unwrapped(k): k for k in saved}
-    pairs = [(k, by_plain[unwrapped(k)]) for k in missing if unwrapped(k) in by_plain]
+    pairs = wrapped_pairs(missing, saved)
     if not pairs:
         return ""
     want, have = pairs[0]

@@ -316,7 +316,8 @@ class LocalStore:
             return None
         return m
 
-    def _entries(self, kind: str):
+    def _rank_dirs(self, kind: str):
+        """``(src, path)`` of each rank directory of ``kind`` (no link, no stray name)."""
         base = os.path.join(self.root, "local" if kind == "local" else "replica")
         try:
             ranks = os.listdir(base)
@@ -324,12 +325,13 @@ class LocalStore:
             return
         for rname in sorted(ranks):
             rm = _RANK.match(rname)
-            if rm is None:
-                continue
-            src = int(rm.group(1))
             rdir = os.path.join(base, rname)
-            if os.path.islink(rdir) or not os.path.isdir(rdir):
+            if rm is None or os.path.islink(rdir) or not os.path.isdir(rdir):
                 continue
+            yield int(rm.group(1)), rdir
+
+    def _entries(self, kind: str):
+        for src, rdir in self._rank_dirs(kind):
             try:
                 names = os.listdir(rdir)
             except OSError:
@@ -435,17 +437,9 @@ class LocalStore:
         outside it (left by a larger world), and every replica unless ``replicas`` (this
         world keeps none)."""
         for kind in ("local", "replica"):
-            base = os.path.join(self.root, "local" if kind == "local" else "replica")
-            try:
-                names = os.listdir(base)
-            except OSError:
-                continue
-            for name in names:
-                m = _RANK.match(name)
-                if m and (
-                    int(m.group(1)) >= self.world_size or (kind == "replica" and not replicas)
-                ):
-                    self.remove(kind, int(m.group(1)))
+            for src, _ in list(self._rank_dirs(kind)):
+                if src >= self.world_size or (kind == "replica" and not replicas):
+                    self.remove(kind, src)
 
     def remove_step(self, kind: str, src: int, step: int) -> None:
         self._remove(self.copy_path(kind, src, step))
