@@ -15,6 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import fsspec
 
@@ -141,13 +142,28 @@ def _step_dirs(fs, root: str) -> dict[int, str]:
     return steps
 
 
-def human_bytes(n: float) -> str:
-    """``1.5 MiB`` style sizes."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+def human_bytes(n: int) -> str:
+    """``1.5 MiB`` style sizes (of any int: sizes come from a checkpoint's metadata)."""
+    for exp, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB")):
+        if n < 1024 ** (exp + 1) or unit == "TiB":
+            if unit == "B":
+                return f"{n} B"
+            tenths = (n * 10 + 1024**exp // 2) // 1024**exp  # ints only: no float overflow
+            return f"{tenths // 10}.{tenths % 10} {unit}"
     raise AssertionError("unreachable")
+
+
+def _jsonable(value: Any) -> Any:
+    """A saved value with every dict key JSON can write: a tuple or other key is shown as
+    its ``repr`` (the value format keeps such keys; ``json`` cannot write them)."""
+    if isinstance(value, dict):
+        return {
+            k if k is None or isinstance(k, (str, int, float, bool)) else repr(k): _jsonable(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def _table(rows: list[list[str]], right: set[int]) -> str:
@@ -261,7 +277,7 @@ def describe(path: str) -> dict:
         "shared_bytes": md.shared_bytes(),
         "linked_dirs": sorted({link.dir for link in md.linked.values()}),
         "tensors": tensors,
-        "values": {k: md.values[k] for k in sorted(md.values)},
+        "values": {k: _jsonable(md.values[k]) for k in sorted(md.values)},
         "pickled_objects": sorted(md.objects),
     }
 

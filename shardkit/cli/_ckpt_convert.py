@@ -152,12 +152,14 @@ class _Source:
         self.values: dict[str, object] = {}
         self.tensors: dict[str, tuple] = {}  # key -> (dtype, shape)
         if self.format == "shardkit":
-            from ..checkpoint import FileSystemReader
-            from ._ckpt import checkpoint_metadata
+            from ..checkpoint._convert._io import checkpoint_metadata
+            from ._ckpt import require_checkpoint_dir
 
-            # parsed and validated once; every per-key read reuses it (see tensor())
-            self._md = md = checkpoint_metadata(path)
-            self._reader = FileSystemReader(path)
+            require_checkpoint_dir(path)  # a CheckpointManager directory is named as such
+            # parsed and validated once, every file's size and header checked before any
+            # tensor is allocated from the declared shapes; every per-key read reuses it
+            md, self._reader = checkpoint_metadata(path)
+            self._md = md
             self.tensors = {k: (t.dtype, tuple(t.shape)) for k, t in md.tensors.items()}
             self.values = dict(md.values)
             self.values.update({k: "<pickled object>" for k in md.objects})

@@ -199,3 +199,78 @@ def test_inspect_and_diff_escape_terminal_sequences(tmp_path):
         assert "\\x1b[2Jcleared" in printed
         assert "\\x1b]0;pwned-title\\x07\\x1b[2K\\rfake: everything OK" in printed
     assert "created        \\x1b[2J2026" in results[0].stdout
+
+
+# -- F: found by fuzzing the metadata (2026-11-28) -------------------------------------------
+def _version_1_with(ckpt, edit) -> None:
+    """A saved checkpoint rewritten as format version 1, which the seal does not cover."""
+    dcp.save({"w": torch.ones(4), "n": 7}, checkpoint_id=ckpt)
+    doc = json.loads((ckpt / "metadata.json").read_bytes())
+    doc.pop("metadata_xxh3_64", None)
+    doc["version"] = 1
+    edit(doc)
+    (ckpt / "metadata.json").write_text(json.dumps(doc))
+
+
+def _huge_file(doc) -> None:
+    doc["files"]["extra.bin"] = 10**400
+
+
+def _huge_object(doc) -> None:
+    doc["files"]["objects-x.bin"] = 10**400
+    doc["objects"]["extra"] = {"file": "objects-x.bin", "offset": 0, "nbytes": 10**400}
+    doc["objects"]["extra"]["xxh3_64"] = "0" * 16
+
+
+@pytest.mark.parametrize("edit", [_huge_file, _huge_object], ids=["file", "object"])
+def test_a_file_size_past_int64_is_damage_not_an_overflow(tmp_path, edit):
+    """ls, inspect and verify (with its progress bar) overflowed a float on such sizes and
+    exited 4 (a bug); the metadata is now refused as damaged, naming the file."""
+    ckpt = tmp_path / "run" / "step_00000001"
+    _version_1_with(ckpt, edit)
+    name = "extra.bin" if edit is _huge_file else "objects-x.bin"
+    with pytest.raises(CorruptCheckpointError, match=f"file {name}: size of 401 digits"):
+        dcp.read_metadata(ckpt)
+    assert not dcp.is_committed(ckpt)
+    for cmd in (["inspect", ckpt], ["diff", ckpt, ckpt]):
+        line = _error_line(shardkit("ckpt", *cmd, code=EXIT_DAMAGED))
+        assert f"file {name}: size of 401 digits is not a file size" in line
+    verify = shardkit("ckpt", "verify", ckpt, code=1).stderr  # a verify failure
+    assert f"FAILED {ckpt}/metadata.json: file {name}: size of 401 digits" in verify
+    listing = shardkit("ckpt", "ls", tmp_path / "run", code=0).stdout
+    assert "DAMAGED" in listing
+
+
+def test_inspect_shows_a_value_with_tuple_keys(tmp_path):
+    """The value format can spell a dict with tuple keys; inspect passed it to json.dumps,
+    which cannot write such keys, and exited 2 naming neither key nor file."""
+    ckpt = tmp_path / "c"
+    dcp.save({"w": torch.ones(2), "table": 0}, checkpoint_id=ckpt)
+    doc = json.loads((ckpt / "metadata.json").read_bytes())
+    pair = {"__shardkit__": "tuple", "items": [1, 2]}
+    doc["values"]["table"] = {"__shardkit__": "dict", "items": [[pair, 3], ["k", [pair]]]}
+    reseal_metadata(ckpt, doc)
+    assert dcp.read_metadata(ckpt).values["table"] == {(1, 2): 3, "k": [(1, 2)]}
+    out = shardkit("ckpt", "inspect", ckpt, code=0).stdout
+    assert 'table = {"(1, 2)": 3, "k": [[1, 2]]}' in out
+    as_json = json.loads(shardkit("ckpt", "inspect", ckpt, "--json", code=0).stdout)
+    assert as_json["values"]["table"] == {"(1, 2)": 3, "k": [[1, 2]]}
+
+
+def test_diff_checks_file_sizes_before_allocating_a_declared_shape(tmp_path):
+    """A resealed metadata declaring a 4 TiB tensor, consistent in itself, over a 32-byte
+    data file: diff allocated the declared shape first (exit 4, or the machine's memory)."""
+    ckpt = tmp_path / "c"
+    dcp.save({"a": torch.arange(8.0)}, checkpoint_id=ckpt)
+    doc = json.loads((ckpt / "metadata.json").read_bytes())
+    n = 2**40
+    (chunk,) = doc["tensors"]["a"]["chunks"]
+    header = _validate.safetensors_header([(chunk["name"], torch.float32, (n,), n * 4)])
+    chunk.update(sizes=[n], nbytes=n * 4, offset=len(header), block_rows=n)
+    chunk["xxh3_64"] = ["0" * 16]
+    doc["tensors"]["a"]["shape"] = [n]
+    doc["files"][chunk["file"]] = len(header) + n * 4
+    reseal_metadata(ckpt, doc)
+    assert dcp.read_metadata(ckpt).tensors["a"].shape == (n,)  # consistent in itself
+    line = _error_line(shardkit("ckpt", "diff", ckpt, ckpt, code=EXIT_DAMAGED))
+    assert chunk["file"] in line

@@ -239,6 +239,11 @@ def check_tiling(source: str, key: str, shape: tuple, total: int, boxes: list) -
         _check_overlaps(source, key, len(shape), boxes)
 
 
+def _shown(n: int) -> str:
+    """A number from a hostile file, short enough for an error message."""
+    return str(n) if abs(n) < 10**30 else f"of {len(str(abs(n)))} digits"
+
+
 def validate(md: Metadata, source: str) -> None:
     """Check a parsed metadata's structure; fills ``md.headers`` for version 2.
 
@@ -252,8 +257,8 @@ def validate(md: Metadata, source: str) -> None:
         _fail(source, "world_size", f"{md.world_size} is not a positive rank count")
     for name, size in md.files.items():
         check_name(name, f"{source}: file")
-        if size < 0:
-            _fail(source, f"file {name}", f"negative size {size}")
+        if not 0 <= size <= INT64_MAX:
+            _fail(source, f"file {name}", f"size {_shown(size)} is not a file size (0..2**63-1)")
     _validate_links(md, source)
     files = {**{n: link.size for n, link in md.linked.items()}, **md.files}
     ranges: dict[str, list[tuple[int, int, Any]]] = defaultdict(list)
@@ -372,6 +377,8 @@ def _validate_links(md: Metadata, source: str) -> None:
         check_name(link.dir, f"{source}: linked file {name}: directory")
         if name in md.files:
             _fail(source, f"linked file {name}", "is also listed in 'files'")
+        if link.size > INT64_MAX:
+            _fail(source, f"linked file {name}", f"size {_shown(link.size)} is not a file size")
         if not 8 <= link.header_nbytes <= min(link.size, MAX_HEADER_BYTES):
             _fail(
                 source,
