@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from .. import runtime
+from . import _direct_call
 from ._build import prepare_buffers, shard_parameters
 from ._comm import group_info
+from ._direct_call import cast_floats, install_direct_call_hooks
 from ._hf import guard_save_pretrained
 from ._meta import FSDPUsageError, materialize_meta, uses_checkpointing
 from ._options import FSDPOptions
@@ -174,6 +176,9 @@ class FullyShardedDataParallel(nn.Module):
         self._sync_grads = True
         self._pending_reduces: deque = deque()
         self._meta_checked = False
+        self._full_installed = False  # the wrapped module holds full parameters now
+        self._direct_call = False  # a direct call of the wrapped module gathered them
+        install_direct_call_hooks(self)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -201,7 +206,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:
             if unit is not self:
                 if unit._is_root:
-                    raise ValueError(
+                    raise FSDPUsageError(
                         "a nested FSDP unit already ran forward on its own; run forward "
                         "through the outermost FSDP module only"
                     )
@@ -224,21 +229,11 @@ class FullyShardedDataParallel(nn.Module):
         self._lazy_init()
         root = self._root
         if self._is_root:
-            if not root._meta_checked:
-                _check_not_meta(root)
-                root._meta_checked = True
-            root._recording = not root._order
-            # a new iteration: nothing gathered may outlive an optimizer step
-            for unit in root._units:
-                unit._uses = 0
-                unit._fulls = None
-                unit._restore_shards()
-                unit._state.free()
-        if root._recording and self not in root._order:
+            self._start_root_call()
+        elif root._recording and self not in root._order:
             root._order.append(self)
-        dtype = self._opts.compute_dtype
-        if dtype is not None:
-            args, kwargs = tree_map(lambda t: _cast(t, dtype), (args, kwargs))
+        args, kwargs = cast_floats((args, kwargs), self._opts.compute_dtype)
+        self._state.refresh_trainable()  # requires_grad may have changed since wrapping
         track = torch.is_grad_enabled() and any(p.shard.requires_grad for p in self._state.params)
         self._pre_forward(track)
         try:
@@ -258,6 +253,28 @@ class FullyShardedDataParallel(nn.Module):
                     unit._state.free()
         return out
 
+    def _start_root_call(self) -> None:
+        """A new iteration begins at the root: nothing gathered may outlive an optimizer
+        step, and the first call records the units' order (for prefetching)."""
+        if not self._meta_checked:
+            _check_not_meta(self)
+            self._meta_checked = True
+        self._recording = not self._order
+        for unit in self._units:
+            unit._uses = 0
+            unit._fulls = None
+            unit._direct_call = False
+            unit._restore_shards()
+            unit._state.free()
+        if self._recording:
+            self._order.append(self)
+
+    def _direct_call_pre_hook(self, module, args, kwargs):
+        return _direct_call.pre_hook(self, module, args, kwargs)
+
+    def _direct_call_post_hook(self, module, args, output) -> None:
+        _direct_call.post_hook(self)
+
     def _pre_forward(self, track: bool) -> None:
         state = self._state
         state.ensure_gathered()
@@ -274,15 +291,16 @@ class FullyShardedDataParallel(nn.Module):
             self._fulls = fulls
         else:
             fulls = state.fulls()
-        self._install(fulls)
+        self._install(fulls, full=True)
 
-    def _install(self, tensors) -> None:
+    def _install(self, tensors, *, full: bool) -> None:
         for p, t in zip(self._state.params, tensors):
             for mod, name in p.owners:
                 mod._parameters[name] = t
+        self._full_installed = full
 
     def _restore_shards(self) -> None:
-        self._install([p.shard for p in self._state.params])
+        self._install([p.shard for p in self._state.params], full=False)
 
     def _hook_outputs(self, out: Any) -> bool:
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -314,7 +332,7 @@ class FullyShardedDataParallel(nn.Module):
             # an activation recomputation (ours or HF's gradient_checkpointing_enable(),
             # reentrant or not) reads module attributes: give it the full parameters of
             # forward, whose gradients flow into this unit's reduce-scatter
-            self._install(self._fulls)
+            self._install(self._fulls, full=True)
         if root._opts.backward_prefetch:
             prev = root._neighbour(self, -1)
             if prev is not None and prev._uses > 0 and not prev._state.materialized:
@@ -361,7 +379,7 @@ class FullyShardedDataParallel(nn.Module):
         """
         self._lazy_init()
         if not self._is_root:
-            raise ValueError("call no_sync() on the outermost FSDP module")
+            raise FSDPUsageError("call no_sync() on the outermost FSDP module")
         previous = self._sync_grads
         self._sync_grads = False
         try:
@@ -460,12 +478,6 @@ def _check_not_meta(root) -> None:
                     "model.to_empty(device='cpu') and initialize it (reset_parameters()), or "
                     "pass param_init_fn to FSDP"
                 )
-
-
-def _cast(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
-        return value.to(dtype)
-    return value
 
 
 FSDP = FullyShardedDataParallel

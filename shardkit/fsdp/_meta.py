@@ -8,12 +8,9 @@ import torch
 from torch import nn
 
 from ._build import own_modules
+from ._errors import FSDPUsageError
 
 __all__ = ["materialize_meta", "uses_checkpointing", "FSDPUsageError"]
-
-
-class FSDPUsageError(ValueError, RuntimeError):
-    """A misuse of FSDP; both a ValueError and the RuntimeError torch / torch_xla raise."""
 
 
 def _has_meta(module: nn.Module) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from .. import runtime
 from ..spmd import Mesh, ShardedTensor
+from ._errors import FSDPUsageError
 
 __all__ = [
     "sharded_state_dict",
@@ -30,7 +32,7 @@ _CKPT_WRAPPED = "_checkpoint_wrapped_module"
 def _root(model):
     model._lazy_init()
     if not model._is_root:
-        raise ValueError("call this on the outermost FSDP module, not on a nested unit")
+        raise FSDPUsageError("call this on the outermost FSDP module, not on a nested unit")
     return model
 
 
@@ -223,7 +225,9 @@ def clip_grad_norm(model, max_norm: float, norm_type: float = 2.0) -> torch.Tens
         dist.all_reduce(total, op=op, group=root._group)
     if not math.isinf(norm_type):
         total = total.pow(1.0 / norm_type)
-    total = total.float()
+    # in the gradients' dtype, as torch's clip_grad_norm_ computes and returns it
+    dtypes = {g.dtype for g, _ in grads}
+    total = total.to(functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g, _ in grads:
         g.detach().mul_(coef.to(g.dtype))

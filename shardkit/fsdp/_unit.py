@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ._comm import all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from ._errors import FSDPUsageError
 from ._layout import SlotLayout, UnitLayout
 
 __all__ = ["ManagedParam", "UnitState", "GatherStats", "GATHER_STATS"]
@@ -113,12 +114,9 @@ class UnitState:
             world,
             sum(p.layout.padded_numel for p in self.params),
         )
-        self.trainable = [p for p in self.params if p.shard.requires_grad]
-        # 0-d parameters are replicated: an all-reduce keeps them bitwise equal on every
-        # rank (a reduce-scatter sums each rank's copy in a different order)
-        self.sharded_trainable = [p for p in self.trainable if not p.layout.replicated]
-        self.replicated_trainable = [p for p in self.trainable if p.layout.replicated]
-        self.grad_layout = UnitLayout.build([p.layout.shape for p in self.sharded_trainable], world)
+        self.accumulated: list[torch.Tensor | None] | None = None  # no_sync gradients
+        self._trainable_flags: tuple[bool, ...] | None = None
+        self.refresh_trainable()
         dtypes = {p.shard.dtype for p in self.params}
         if compute_dtype is None and len(dtypes) > 1:
             raise ValueError(
@@ -132,7 +130,26 @@ class UnitState:
         self.is_root = False
         self.gathered = False
         self._pending_gather = None  # (work, out buffer)
-        self.accumulated: list[torch.Tensor | None] | None = None  # no_sync gradients
+
+    def refresh_trainable(self) -> None:
+        """Follow ``requires_grad`` as it is now: a parameter frozen or unfrozen after
+        wrapping gets no gradient, or a gradient, from the next forward on (as torch)."""
+        flags = tuple(p.shard.requires_grad for p in self.params)
+        if flags == self._trainable_flags:
+            return
+        if self.accumulated is not None:
+            raise FSDPUsageError(
+                "requires_grad of an FSDP parameter changed while no_sync() gradients were "
+                "accumulating; change it before no_sync() or after the synced backward"
+            )
+        self._trainable_flags = flags
+        self.trainable = [p for p in self.params if p.shard.requires_grad]
+        # 0-d parameters are replicated: an all-reduce keeps them bitwise equal on every
+        # rank (a reduce-scatter sums each rank's copy in a different order)
+        self.sharded_trainable = [p for p in self.trainable if not p.layout.replicated]
+        self.replicated_trainable = [p for p in self.trainable if p.layout.replicated]
+        shapes = [p.layout.shape for p in self.sharded_trainable]
+        self.grad_layout = UnitLayout.build(shapes, self.world)
 
     # -- gathering -------------------------------------------------------------
     @property
