@@ -248,3 +248,39 @@ def _one_rank_signalled(root):
 def test_should_save_agrees_on_a_signal_only_one_rank_received(tmp_path):
     for answers, steps in run_ranks(_one_rank_signalled, 2, str(tmp_path / "r"), timeout=90):
         assert answers == [False, False, True] and steps == [3], (answers, steps)
+
+
+def _memory_url():
+    """memory:// is per process: on 2 ranks each rank's files stayed in its own process,
+    and the manager reported every save as done while listing no step (walkthrough,
+    2026-11-28). Now each entry point refuses it, on every rank, before writing."""
+    import torch
+
+    import shardkit.checkpoint as dcp
+    from shardkit.checkpoint import CheckpointManager
+    from shardkit.checkpoint._core._errors import UsageError
+
+    state = {"w": torch.ones(2)}
+    calls = {
+        "save": lambda: dcp.save(state, checkpoint_id="memory://two-ranks/a"),
+        "async_save": lambda: dcp.async_save(state, checkpoint_id="memory://two-ranks/b").result(),
+        "manager": lambda: CheckpointManager("memory://two-ranks/c", 1, chkpt_on_preemption=False),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "accepted"
+        except UsageError as exc:
+            out[name] = (isinstance(exc, ValueError), str(exc))
+    # one process alone may use it
+    dcp.save(state, checkpoint_id="memory://two-ranks/alone", no_dist=True)
+    return out
+
+
+def test_memory_url_is_refused_on_several_ranks():
+    for out in run_ranks(_memory_url, 2, timeout=60):
+        for name in ("save", "async_save", "manager"):
+            is_value, message = out[name]
+            assert is_value and "memory:// is a per-process file system" in message, name
+            assert "2 ranks" in message

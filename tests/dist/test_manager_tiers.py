@@ -357,3 +357,49 @@ def _zero_stall_peer(root):
 def test_zero_stall_state_restores_from_peer(tmp_path):
     for out in run_ranks(_zero_stall_peer, 2, str(tmp_path), timeout=90):
         assert out == (3, ["local", "peer"], True, True)
+
+
+def _full_ram_disk(root, where):
+    """Rank 1's RAM disk is full when rank 0's replica arrives: reserving the file's
+    space (posix_fallocate, as on a full tmpfs) or making its directory fails with
+    ENOSPC. The pair used to hang, rank 0 in its send."""
+    import errno
+
+    import torch.distributed as dist
+
+    from shardkit.checkpoint import CheckpointError
+    from shardkit.checkpoint._manager._local import LocalStore
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if dist.get_rank() == 1 and where == "fallocate":
+        os.posix_fallocate = full
+    elif dist.get_rank() == 1:
+        own = LocalStore.recycle
+        LocalStore.recycle = lambda self, kind, *a: (full if kind == "replica" else own)(
+            self, kind, *a
+        )
+    out = []
+    try:
+        with _mgr(root) as mgr:
+            for step in (1, 2, 3):
+                try:
+                    mgr.save_async(step, _state(step))
+                    out.append((step, "ok"))
+                except CheckpointError as exc:
+                    out.append((step, str(exc)))
+    except CheckpointError as exc:
+        out.append(("close", str(exc)))
+    return out
+
+
+@pytest.mark.parametrize("where", ["fallocate", "directory"])
+def test_a_full_ram_disk_on_the_replica_side_fails_both_ranks_without_a_hang(tmp_path, where):
+    env = {"LOCAL_WORLD_SIZE": "1"}
+    got = run_ranks(_full_ram_disk, 2, str(tmp_path), where, timeout=90, env=env)
+    failed = [[entry for entry in out if entry[1] != "ok"] for out in got]
+    assert [len(f) for f in failed] == [1, 1], got  # each rank raised once, and went on
+    assert failed[0][0][0] == failed[1][0][0]  # at the same save
+    assert "failed on another rank" in failed[0][0][1]
+    assert "No space left on device" in failed[1][0][1] and "rank 0's shard" in failed[1][0][1]

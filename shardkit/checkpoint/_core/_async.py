@@ -37,7 +37,7 @@ from ._save import (
     wait_for_inflight,
     write_and_commit,
 )
-from ._storage import StorageWriter
+from ._storage import FileSystemWriter, StorageWriter, refuse_per_process
 from ._torch_args import check_async_args
 from ._zero_stall import STAGING_THREAD, STATS, Snapshot, Staging, protect
 
@@ -189,6 +189,8 @@ def async_save(
     try:
         local = check_async_args(async_checkpointer_type, async_stager, no_dist, use_collectives)
         comm = Comm(None, local=True) if local else Comm(_private_group(process_group))
+        if isinstance(writer, FileSystemWriter):  # every rank sees the same URL: all raise
+            refuse_per_process(writer.fs, writer.url, comm.world_size)
     except BaseException as exc:
         future.set_exception(exc)
         return future

@@ -54,7 +54,7 @@ from ._replicas import (
     replica_mismatches,
     warn_mismatches,
 )
-from ._storage import StorageWriter, resolve_storage
+from ._storage import FileSystemWriter, StorageWriter, refuse_per_process, resolve_storage
 from ._torch_args import check_no_dist
 
 __all__ = ["save"]
@@ -543,6 +543,8 @@ def save(
     if not no_dist:
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
     comm = Comm(process_group, local=check_no_dist(no_dist, use_collectives))
+    if isinstance(writer, FileSystemWriter):  # every rank sees the same URL: all raise
+        refuse_per_process(writer.fs, writer.url, comm.world_size)
     base = base_reader(writer, incremental_base)
     job = prepare(
         state_dict, planner, comm, writer.thread_count, max_file_bytes(writer),

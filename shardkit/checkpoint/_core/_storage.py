@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from ._errors import CorruptCheckpointError, UsageError
 from ._format import METADATA_FILE
@@ -158,6 +159,18 @@ def _check_threads(thread_count: int) -> int:
     if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
         raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
     return thread_count
+
+
+def refuse_per_process(fs: Any, url: str, world_size: int) -> None:
+    """UsageError when ``world_size`` processes would each write to their own copy of a
+    per-process file system (fsspec's ``memory://``): every rank's files would stay in its
+    own process, so the checkpoint would be committed but unreadable."""
+    if world_size > 1 and isinstance(fs, MemoryFileSystem):
+        raise UsageError(
+            f"{url}: memory:// is a per-process file system, so {world_size} ranks cannot "
+            "share a checkpoint there; use a local path, a shared disk or an object store "
+            "(s3://, gs://), or keep memory:// for single-process runs"
+        )
 
 
 class _FileSystem:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ... import runtime
 from .._core._errors import CheckpointError
+from .._core._storage import refuse_per_process
 from ._background import BackgroundMethods
 from ._checks import check_metrics as _check_metrics
 from ._checks import nonneg_int as _nonneg_int
@@ -152,6 +153,7 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self._lease = Lease(self._store.fs, self._store.root, ttl=float(lease_ttl))
         self._init_groups(process_group, async_process_group)
+        refuse_per_process(self._store.fs, self.path, len(self._ranks))
         self._tiers = None if local_tier is None else TierEngine(self, local_tier)
         self._watcher = PreemptionWatcher(preemption_signal) if chkpt_on_preemption else None
         if self._watcher is not None:  # a manager dropped without close() gives SIGTERM back

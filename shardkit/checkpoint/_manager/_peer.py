@@ -55,6 +55,10 @@ def _map(path: str, size: int, maps: list, *, receive: bool) -> torch.Tensor:
             if not receive:  # changed since its header was sent: never map past its end
                 raise OSError(f"{path} is no longer {size} bytes long")
             os.ftruncate(fd, size)
+        if receive and hasattr(os, "posix_fallocate"):
+            # reserve the space now: a full RAM disk is then ENOSPC here, before anything
+            # is posted, instead of SIGBUS when the receive writes into the mapping
+            os.posix_fallocate(fd, 0, size)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -75,6 +79,23 @@ def _unmap(maps: list) -> None:
             maps.pop().close()
         except BufferError:  # a tensor still views it: unmapped when that goes
             pass
+
+
+def _receive_into(
+    path: str, spares: list[str], in_files: list[list], peer: int, maps: list
+) -> list[tuple[torch.Tensor, int]]:
+    """Create (or reuse a spare for) each announced file in the temporary copy ``path``,
+    with its space reserved; the ``(piece, peer)`` receives that fill them."""
+    recvs = []
+    for name, size in in_files:
+        target = os.path.join(path, name)
+        take_spare(spares, target)
+        if size:
+            recvs += _pieces(_map(target, size, maps, receive=True), peer)
+        else:
+            open(target, "wb").close()
+    drop_spares(spares)
+    return recvs
 
 
 def _check_header(header: Any, step: int, cap: int) -> list[list]:
@@ -171,30 +192,34 @@ def exchange(
             error = CorruptCheckpointError(f"peer copy header of step {step} is not JSON: {exc}")
         except CorruptCheckpointError as exc:
             error = exc
-    # 3. the receiver's answer to a sender that announced a copy
-    accept = torch.tensor([int(n_in > 0 and error is None)], dtype=torch.int64)
-    accepted = torch.zeros(1, dtype=torch.int64)
-    _post(group, [(accept, recv_from)] if n_in > 0 else [], [(accepted, send_to)] if raw else [])
-    # 4. the files, straight from the sender's mapped files into the receiver's
+    # 3. the receiver makes room for the copy (space reserved), then answers the sender:
+    # a receiver that cannot take it refuses here, so no sender waits on a send forever
     sends, recvs, tmp, maps = [], [], None, []
     try:
+        if n_in > 0 and error is None:
+            assert store is not None and recv_src is not None
+            try:
+                tmp, spares = store.recycle(recv_kind, recv_src, step, keep)
+                recvs = _receive_into(tmp, spares, in_files, recv_from, maps)
+            except OSError as exc:  # e.g. ENOSPC on the RAM disk
+                error = OSError(
+                    exc.errno,
+                    f"cannot take the copy of rank {recv_src}'s shard at step {step} from "
+                    f"group rank {recv_from} into {tmp or store.root}: {exc.strerror or exc}",
+                )
+                recvs = []  # the maps made so far go in `finally`
+        accept = torch.tensor([int(n_in > 0 and error is None)], dtype=torch.int64)
+        accepted = torch.zeros(1, dtype=torch.int64)
+        _post(
+            group, [(accept, recv_from)] if n_in > 0 else [], [(accepted, send_to)] if raw else []
+        )
+        # 4. the files, straight from the sender's mapped files into the receiver's
         if raw and accepted.item():
             for name, size in files:
                 if size:
                     sends += _pieces(
                         _map(os.path.join(send_path, name), size, maps, receive=False), send_to
                     )
-        if accept.item():
-            assert store is not None and recv_src is not None
-            tmp, spares = store.recycle(recv_kind, recv_src, step, keep)
-            for name, size in in_files:
-                path = os.path.join(tmp, name)
-                take_spare(spares, path)
-                if size:
-                    recvs += _pieces(_map(path, size, maps, receive=True), recv_from)
-                else:
-                    open(path, "wb").close()
-            drop_spares(spares)
         _post(group, sends, recvs)
     except BaseException:
         if tmp is not None:
@@ -204,6 +229,9 @@ def exchange(
         sends.clear()
         recvs.clear()
         _unmap(maps)
+    if error is not None and tmp is not None:
+        store._remove(tmp)
+        tmp = None
     if error is not None:
         raise error
     if tmp is None:
