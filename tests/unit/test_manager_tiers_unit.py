@@ -509,3 +509,45 @@ def test_a_clean_close_removes_a_larger_former_worlds_copies(tmp_path):
         again.save(2, {"x": torch.ones(2)})
     assert not any(p.exists() for p in stale) and not own.exists()
     assert foreign.exists()  # another run's copy in the directory is left alone
+
+
+def test_ram_copy_of_an_op_that_ended_after_its_copy_is_dropped(tmp_path, monkeypatch):
+    """The RAM tier's zero-stall copy gets the same last check as async_save: an in-place
+    op that was still running while its tensor was copied (its version bump comes at the
+    op's end, simulated here by ``add_(0)`` once staging is done) fails the copy, and the
+    tier keeps none of that step (the walkthrough restored such a torn copy)."""
+    import threading
+
+    from shardkit.checkpoint import CheckpointError
+    from shardkit.checkpoint._core import _zero_stall
+
+    written = threading.Event()
+    real = LocalStore.write_own
+
+    def held(self, *args, **kwargs):  # the copy is written only after the op has ended
+        assert written.wait(timeout=60)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "write_own", held)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    node = str(tmp_path / "node")
+    tier = LocalTier(interval=1, directory=node, max_to_keep=3)
+    with CheckpointManager(
+        str(tmp_path / "p"), 100, chkpt_on_preemption=False, local_tier=tier
+    ) as mgr:
+        written.set()
+        mgr.save_async(1, {"model": model.state_dict()})
+        mgr.join()
+        written.clear()
+        mgr.save_async(2, {"model": model.state_dict()})
+        _zero_stall.wait_for_staging()
+        with torch.no_grad():
+            model.weight.add_(0.0)
+        written.set()
+        with pytest.raises(CheckpointError, match=r"'model\.weight'.*in progress"):
+            mgr.join()
+        local = os.path.join(node, "local", "rank_00000")
+        assert sorted(os.listdir(local)) == ["step_00000001"]

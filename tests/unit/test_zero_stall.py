@@ -217,3 +217,69 @@ def test_load_into_the_staged_tensors_waits_for_staging(tmp_path):
     fut.result(timeout=60)  # not refused: the load waited for staging
     _assert_same(_load(tmp_path / "new", expected), expected)
     _assert_same(_snapshot(model.state_dict()), old["model"])
+
+
+class _HeldWriter(dcp.FileSystemWriter):
+    """Writes nothing until ``release`` is set: the save stays before its commit."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.release = threading.Event()
+
+    def write_file(self, name, parts):
+        assert self.release.wait(timeout=60)
+        super().write_file(name, parts)
+
+
+def _held_save(tmp_path):
+    """A trained model's zero-stall save whose writer holds until released."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, 0)
+    expected = _snapshot(_state(model, opt))
+    writer = _HeldWriter(tmp_path / "ckpt")
+    fut = dcp.async_save(_state(model, opt), storage_writer=writer)
+    return model, opt, expected, writer, fut
+
+
+def _in_flight_op_then(tmp_path, after_staging):
+    """An in-place op that was still running while its tensor was copied: torch bumps the
+    version when the op ends, so the per-piece check saw nothing. Simulated by a bump
+    (``add_(0)``) once staging is done; ``after_staging`` then runs before the save may
+    write. Returns the save's future."""
+    model, opt, _, writer, fut = _held_save(tmp_path)
+    _zero_stall.wait_for_staging()  # every piece copied and checked
+    with torch.no_grad():
+        model[3].weight.add_(0.0)  # the op that ran during the copy ends now
+    after_staging(model, opt)
+    writer.release.set()
+    return fut
+
+
+def test_an_op_that_ends_after_its_copy_fails_the_save_at_the_next_step(tmp_path):
+    """Found by the walkthrough (2026-11-28): 1-3 of 15 such saves committed a mix of old
+    and new rows, and the manager then restored them without a word."""
+    fut = _in_flight_op_then(tmp_path, lambda model, opt: _step(model, opt, 1))
+    with pytest.raises(dcp.CheckpointError, match=r"'model\.3\.weight'.*in progress"):
+        fut.result(timeout=60)
+    assert not dcp.is_committed(tmp_path / "ckpt")
+
+
+def test_an_op_that_ends_after_its_copy_fails_the_save_without_a_step(tmp_path):
+    fut = _in_flight_op_then(tmp_path, lambda model, opt: None)
+    with pytest.raises(dcp.CheckpointError, match=r"'model\.3\.weight'.*in progress"):
+        fut.result(timeout=60)
+    assert not dcp.is_committed(tmp_path / "ckpt")
+
+
+def test_changes_after_the_next_step_do_not_fail_the_save(tmp_path):
+    """A clamp after optimizer.step() (weight constraints) while the save still writes is
+    legitimate: the step's check came first and the copy is long done."""
+    model, opt, expected, writer, fut = _held_save(tmp_path)
+    _step(model, opt, 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.01, 0.01)
+    writer.release.set()
+    fut.result(timeout=60)
+    _assert_same(_load(tmp_path / "ckpt", expected), expected)

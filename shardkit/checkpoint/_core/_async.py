@@ -238,6 +238,7 @@ def async_save(
                         flat_fn=_flat_fn(flat, None), replicas=replicas,
                     )  # fmt: skip
                     job.base = base
+                    job.before_commit = snapshot.final
                     staged = _stage(job, snapshot)
                 except BaseException as exc:
                     if job is None:  # planning failed: its agreement told every rank
@@ -253,6 +254,9 @@ def async_save(
             future.set_exception(exc)
         else:
             future.set_result(md)
+        finally:
+            if snapshot is not None:
+                snapshot.forget()
 
     set_inflight(future)
     threading.Thread(target=run, name=STAGING_THREAD, daemon=False).start()

@@ -107,6 +107,9 @@ class SaveJob:
     items: list[WriteItem] = field(default_factory=list)
     #: the after-write replica check (``save``); None: none
     replicas: ReplicaPlan | None = None
+    #: called once the data is written, before the write agreement: raises to fail the
+    #: save on every rank (a zero-stall save's last check of its sources)
+    before_commit: Callable[[], None] | None = None
 
     @property
     def is_coordinator(self) -> bool:
@@ -312,6 +315,8 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
         if job.is_coordinator:
             payload["values"] = {k: encode_value(v) for k, v in job.flat.values.items()}
             payload["objects"] = _write_objects(job, writer, sizes)
+        if job.before_commit is not None:
+            job.before_commit()
     except Exception as exc:
         error = exc
         if shadows is not None:

@@ -16,6 +16,12 @@ its background thread, while the caller runs the next forward and backward; a st
   ``load_state_dict``) bumps it, so a change made outside ``optimizer.step()`` before
   the piece was copied makes the save fail on every rank; nothing is committed.
   Writes that bypass the counter (``p.data.add_()``, through numpy) are not detected.
+- torch bumps a version when an in-place op *ends*, so an op still running while its
+  tensor is copied is not yet visible then, and the copy may hold some old and some new
+  values. Every protected key is therefore checked once more: at the first
+  ``optimizer.step()`` after the call, before it changes anything (every op the caller
+  made before that step has ended by then), or, if no step comes first, just before the
+  save commits. A change seen then fails the save too.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     _known.add(optimizer)
     staging = _active
     if staging is None or staging._done.is_set():
+        _check_awaiting()
         return None
     start = time.perf_counter()
     with _lock:
@@ -100,7 +107,18 @@ def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         STATS.waiting -= 1
         STATS.steps_waited += 1
         STATS.wait_s += time.perf_counter() - start
+    _check_awaiting()
     return None
+
+
+def _check_awaiting() -> None:
+    """Before a step changes anything: every save called before it gets its final check
+    (every in-place op the caller made before this step has ended)."""
+    if _awaiting:
+        with _lock:
+            pending = list(_awaiting)
+        for snapshot in pending:
+            snapshot.check_all()
 
 
 _hook = register_optimizer_step_pre_hook(_pre_step)
@@ -132,7 +150,7 @@ def _owners() -> dict[tuple, torch.Tensor]:
     return out
 
 
-@dataclass
+@dataclass(eq=False)
 class Snapshot:
     """What a zero-stall save checks: each protected key's tensors and their versions.
 
@@ -143,17 +161,52 @@ class Snapshot:
     """
 
     versions: dict[str, tuple[tuple[torch.Tensor, int], ...]]
+    _checked: bool = False
+    _error: CheckpointError | None = None
 
     def check(self, key: str) -> None:
         """Raise if ``key``'s tensor changed in place since the call."""
         if any(t._version != v for t, v in self.versions.get(key, ())):
-            raise CheckpointError(
-                f"key {key!r} was changed in place after async_save() was called and before "
-                "it was copied to the staging buffer: something other than optimizer.step() "
-                "changed it (optimizer steps wait for staging). Nothing was committed. Change "
-                "tensors outside optimizer.step() only after future.result(), or pass "
-                "zero_stall=False to copy the whole state before async_save() returns"
-            )
+            raise _changed(key, "before it was copied to the staging buffer")
+
+    def check_all(self) -> None:
+        """Check every key once (the first caller wins); keep the first change found."""
+        with _lock:
+            if self._checked:
+                return
+            self._checked = True
+            self.forget()
+            for key, pairs in self.versions.items():
+                if any(t._version != v for t, v in pairs):
+                    self._error = _changed(key, "while the save was in progress")
+                    return
+
+    def forget(self) -> None:
+        """Take no part in later steps' checks (the save is over, or failed)."""
+        with _lock:
+            if self in _awaiting:
+                _awaiting.remove(self)
+
+    def final(self) -> None:
+        """Raise if a change was seen at the first step after the call, or is seen now
+        (no step came first). Called just before the save commits."""
+        self.check_all()
+        if self._error is not None:
+            raise self._error
+
+
+def _changed(key: str, when: str) -> CheckpointError:
+    return CheckpointError(
+        f"key {key!r} was changed in place after the save was called, {when}: something "
+        "other than optimizer.step() changed it (optimizer steps wait for staging). Nothing "
+        "was committed. Change tensors outside optimizer.step() only once the save is done "
+        "(future.result(), CheckpointManager.join()), or call async_save(..., "
+        "zero_stall=False), which copies the whole state before it returns"
+    )
+
+
+#: Snapshots whose final check is still to come (see :meth:`Snapshot.final`).
+_awaiting: list[Snapshot] = []
 
 
 def protect(flat: Flat) -> Snapshot | None:
@@ -176,10 +229,13 @@ def protect(flat: Flat) -> Snapshot | None:
             others.append(leaf)
     if not versions:
         return None
+    snapshot = Snapshot(versions)
+    with _lock:
+        _awaiting.append(snapshot)
     with torch.no_grad():
         for leaf in others:
             leaf.local = leaf.local.clone(memory_format=torch.contiguous_format)
     flat.values = {
         k: copy.deepcopy(v) if isinstance(v, (dict, list)) else v for k, v in flat.values.items()
     }
-    return Snapshot(versions)
+    return snapshot

@@ -229,9 +229,19 @@ class TierEngine:
                     staging.finish()
             self._drop_newer(step - 1)
             path = self.store.write_own(step, localized(flat, tensors), layout, keep=keep)
+            if snapshot is not None:
+                try:
+                    snapshot.final()  # an in-place op that ran during the copy
+                except CheckpointError:
+                    self.store.remove_step("local", self.rank, step)
+                    path = None
+                    raise
             self.store.retain("local", self.rank, keep)
         except BaseException as exc:
             error = exc
+        finally:
+            if snapshot is not None:
+                snapshot.forget()
         if self._peer_group is not None:  # always take part, so the peers stay in step
             try:
                 got = exchange(
