@@ -199,6 +199,7 @@ def test_should_save_reports_a_received_preemption_signal_as_torch_xla(tmp_path)
         ({"storage_options": "x"}, TypeError, "storage_options"),
         ({"preemption_signal": signal.SIGKILL}, ValueError, "SIGKILL"),
         ({"process_group": object()}, ValueError, "not initialized"),
+        ({"max_file_bytes": 0}, ValueError, "max_file_bytes"),
     ],
 )
 def test_argument_validation(tmp_path, kwargs, exc, match):
@@ -257,3 +258,25 @@ def test_torch_xla_step_directories_are_named_and_convert_to_steps(tmp_path, cap
     assert mgr.all_steps() == [100]
     assert torch.equal(mgr.restore(100, {"x": torch.zeros(4)})["x"], torch.arange(4.0))
     mgr.close()
+
+
+def test_max_file_bytes_caps_each_data_file_and_retention_removes_them_all(tmp_path):
+    """The core's file cap through the manager (it had no way to set it): a step's share
+    spans several files; restore, verify and retention handle them."""
+    from shardkit.cli import main
+
+    def state(step):
+        g = torch.Generator().manual_seed(step)
+        return {f"t{i}": torch.randn(64, 64, generator=g) for i in range(6)}  # 16 KiB each
+
+    run = tmp_path / "run"
+    with CheckpointManager(str(run), 1, max_to_keep=1, max_file_bytes=40_000) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step))
+        got = mgr.restore(2, {f"t{i}": torch.empty(64, 64) for i in range(6)})
+    assert all(torch.equal(got[k], v) for k, v in state(2).items())
+    assert sorted(os.listdir(run)) == ["step_00000002"]  # step 1 and all its files went
+    data = [n for n in os.listdir(run / "step_00000002") if n.startswith("data-")]
+    assert len(data) == 3  # two 16 KiB tensors per 40 KB file
+    assert all(os.path.getsize(run / "step_00000002" / n) < 40_000 + 4096 for n in data)
+    assert main(["ckpt", "verify", "--no-progress", str(run / "step_00000002")]) == 0

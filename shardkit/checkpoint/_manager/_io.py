@@ -31,6 +31,7 @@ def _writer(mgr: CheckpointManager, step: int) -> FileSystemWriter:
         store.step_url(step),
         storage_options=store.storage_options,
         thread_count=getattr(mgr, "num_of_threads", 1),
+        max_file_bytes=getattr(mgr, "max_file_bytes", None),
     )
 
 

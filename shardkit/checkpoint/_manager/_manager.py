@@ -70,6 +70,9 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         take_over_lease: take the lease even if another writer's lease is live (use
             when that writer is known to be gone; it fails at its next save).
         num_of_threads: torch_xla's option: data files each rank writes in parallel.
+        max_file_bytes: most tensor bytes per data file of a step (``FileSystemWriter``'s
+            cap; HF uses 5 GB shards); a rank's share then spans several files. None: no
+            cap.
         incremental: save each step as an incremental checkpoint of the previous committed
             step: chunks whose bytes did not change (a frozen base model, LoRA) are not
             rewritten but referenced. Retention keeps every file a kept step references.
@@ -99,6 +102,7 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         lease_ttl: float = 60.0,
         take_over_lease: bool = False,
         num_of_threads: int = 1,
+        max_file_bytes: int | None = None,
         incremental: bool = False,
         local_tier: LocalTier | None = None,
         verify_replicas: bool = True,
@@ -110,6 +114,12 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         self.max_pending_async = _nonneg_int("max_pending_async", max_pending_async, minimum=1)
         #: torch_xla's option: files each rank writes in parallel per checkpoint
         self.num_of_threads = _nonneg_int("num_of_threads", num_of_threads, minimum=1)
+        #: most tensor bytes per data file of a step (None: no cap), as FileSystemWriter's
+        self.max_file_bytes = (
+            None
+            if max_file_bytes is None
+            else _nonneg_int("max_file_bytes", max_file_bytes, minimum=1)
+        )
         if not isinstance(chkpt_on_preemption, bool):
             raise TypeError(f"chkpt_on_preemption must be a bool, got {chkpt_on_preemption!r}")
         if preservation_policy is not None and not isinstance(
