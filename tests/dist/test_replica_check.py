@@ -90,7 +90,7 @@ def test_differing_replica_saves_one_copy_whole_and_warns(tmp_path):
         assert "'w': ranks [0] vs ranks [1]" in r["warned"][0], r["warned"]
         assert "'t': ranks [0] vs ranks [1]" in r["warned"][0], r["warned"]
         assert r["t_is_rank0_copy"]
-        assert "rank(s) [0] whole" in r["warned"][0]
+        assert "'w': ranks [0] vs ranks [1], saved the copy of rank 0" in r["warned"][0]
         assert r["is_rank0_copy"] and r["same_ok"]
         assert r["equal_warned"] == []
         assert r["strict"] and "differ between ranks" in r["strict"], r["strict"]

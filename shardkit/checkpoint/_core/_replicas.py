@@ -303,21 +303,29 @@ def keep_one_copy(plans: list[SavePlan], mismatched: dict[str, list[list[int]]])
 
 
 # -- both ----------------------------------------------------------------------------------
+def _ranks(ranks) -> str:
+    return "/".join(map(str, sorted(ranks))) or "?"
+
+
 def warn_mismatches(
-    mismatched: dict[str, list[list[int]]], keepers: list[int]
+    mismatched: dict[str, list[list[int]]], keepers: dict[str, set[int]]
 ) -> BaseException | None:
-    """Warn on this rank; a warning the caller's filters turn into an error is returned."""
+    """Warn on this rank; a warning the caller's filters turn into an error is returned.
+
+    ``keepers``: for each mismatched key, the rank(s) whose copy the checkpoint holds."""
     if not mismatched:
         return None
     shown = "; ".join(
-        f"{key!r}: " + " vs ".join(f"ranks {ranks}" for ranks in by_copy)
+        f"{key!r}: "
+        + " vs ".join(f"ranks {ranks}" for ranks in by_copy)
+        + f", saved the copy of rank {_ranks(keepers.get(key, ()))}"
         for key, by_copy in list(mismatched.items())[:5]
     )
     more = f" (and {len(mismatched) - 5} more)" if len(mismatched) > 5 else ""
     try:
         warnings.warn(
             f"{len(mismatched)} replicated tensor(s) differ between ranks: {shown}"
-            f"{more}. Saved the copy of rank(s) {sorted(set(keepers))} whole. Make the copies "
+            f"{more}. Each is saved whole from one rank's copy. Make the copies "
             "equal (broadcast or all-reduce them), or save per-rank shards as a "
             "ShardedTensor/DTensor with their global offsets",
             ReplicaMismatchWarning,

@@ -174,7 +174,7 @@ def prepare(
     save_id = replies[0]["save_id"]
     global_plans = planner.create_global_plan(plans)
     job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner)
-    keepers = [min(r for g in v for r in g) for v in mismatched.values()]
+    keepers = {k: {min(r for g in v for r in g)} for k, v in mismatched.items()}
     job.error = warn_mismatches(mismatched, keepers)
     job.file_cap = file_cap
     job.thread_count = thread_count
@@ -354,7 +354,10 @@ def _settle_replicas(
         return replies
     error, payload = None, replies[job.rank]
     try:
-        promoted = warn_mismatches(mismatched, list(keepers.values()))
+        by_key: dict[str, set[int]] = {}
+        for (key, _), rank in keepers.items():
+            by_key.setdefault(key, set()).add(rank)
+        promoted = warn_mismatches(mismatched, by_key)
         if promoted is not None:
             raise promoted
         if rewrite:
