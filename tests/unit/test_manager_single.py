@@ -200,6 +200,7 @@ def test_should_save_reports_a_received_preemption_signal_as_torch_xla(tmp_path)
         ({"preemption_signal": signal.SIGKILL}, ValueError, "SIGKILL"),
         ({"process_group": object()}, ValueError, "not initialized"),
         ({"max_file_bytes": 0}, ValueError, "max_file_bytes"),
+        ({"zero_stall": 1}, TypeError, "zero_stall"),
     ],
 )
 def test_argument_validation(tmp_path, kwargs, exc, match):
@@ -280,3 +281,27 @@ def test_max_file_bytes_caps_each_data_file_and_retention_removes_them_all(tmp_p
     assert len(data) == 3  # two 16 KiB tensors per 40 KB file
     assert all(os.path.getsize(run / "step_00000002" / n) < 40_000 + 4096 for n in data)
     assert main(["ckpt", "verify", "--no-progress", str(run / "step_00000002")]) == 0
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["persistent", "ram_tier"])
+def test_zero_stall_off_lets_the_loop_change_weights_right_after_save_async(tmp_path, tier):
+    """The manager had no opt-out: a loop that edits weights outside optimizer.step()
+    right after saving (manual decay, EMA written back) failed every save."""
+    from shardkit.checkpoint import LocalTier
+
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(2, 32)).sum().backward()
+    opt.step()  # the optimizer is known: its tensors would be staged in the background
+    local = LocalTier(interval=1, directory=str(tmp_path / "node")) if tier else None
+    with CheckpointManager(
+        str(tmp_path / "run"), 1, chkpt_on_preemption=False, zero_stall=False, local_tier=local
+    ) as mgr:
+        for step in (1, 2, 3):
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+            mgr.save_async(step, {"model": model.state_dict()})
+            with torch.no_grad():
+                model.weight.mul_(0.5)  # at once, outside optimizer.step()
+        mgr.join()
+        got = mgr.restore(3, {"model": torch.nn.Linear(32, 32).state_dict()})
+    assert all(torch.equal(got["model"][k], want[k]) for k in want)

@@ -200,8 +200,8 @@ def _changed(key: str, when: str) -> CheckpointError:
         f"key {key!r} was changed in place after the save was called, {when}: something "
         "other than optimizer.step() changed it (optimizer steps wait for staging). Nothing "
         "was committed. Change tensors outside optimizer.step() only once the save is done "
-        "(future.result(), CheckpointManager.join()), or call async_save(..., "
-        "zero_stall=False), which copies the whole state before it returns"
+        "(future.result(), CheckpointManager.join()), or pass zero_stall=False (to "
+        "async_save or CheckpointManager), which copies the whole state in the call"
     )
 
 

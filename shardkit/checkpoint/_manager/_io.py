@@ -70,6 +70,7 @@ def save_step_async(
         process_group=mgr._async_group,
         incremental_base=_base(mgr, base),
         verify_replicas=mgr.verify_replicas,
+        zero_stall=getattr(mgr, "zero_stall", True),
     )
 
 

@@ -73,6 +73,10 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         max_file_bytes: most tensor bytes per data file of a step (``FileSystemWriter``'s
             cap; HF uses 5 GB shards); a rank's share then spans several files. None: no
             cap.
+        zero_stall: ``save_async`` and the RAM tier copy the tensors an optimizer owns on
+            a background thread while training goes on (the next ``optimizer.step()``
+            waits for that copy). False copies the whole state in the call instead: for
+            loops that change weights outside ``optimizer.step()`` right after saving.
         incremental: save each step as an incremental checkpoint of the previous committed
             step: chunks whose bytes did not change (a frozen base model, LoRA) are not
             rewritten but referenced. Retention keeps every file a kept step references.
@@ -103,6 +107,7 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         take_over_lease: bool = False,
         num_of_threads: int = 1,
         max_file_bytes: int | None = None,
+        zero_stall: bool = True,
         incremental: bool = False,
         local_tier: LocalTier | None = None,
         verify_replicas: bool = True,
@@ -120,6 +125,10 @@ class CheckpointManager(BackgroundMethods, TierMethods):
             if max_file_bytes is None
             else _nonneg_int("max_file_bytes", max_file_bytes, minimum=1)
         )
+        if not isinstance(zero_stall, bool):
+            raise TypeError(f"zero_stall must be True or False, got {zero_stall!r}")
+        #: save_async (and the RAM tier) copy in the background (True) or in the call
+        self.zero_stall = zero_stall
         if not isinstance(chkpt_on_preemption, bool):
             raise TypeError(f"chkpt_on_preemption must be a bool, got {chkpt_on_preemption!r}")
         if preservation_policy is not None and not isinstance(

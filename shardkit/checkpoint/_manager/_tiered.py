@@ -150,7 +150,8 @@ class TierEngine:
         # any, is raised at the next call, after the ranks agreed on it (so all raise).
         self._wait_job()
         wait_for_staging()  # one staging at a time per process (an async save's, or ours)
-        snapshot = protect(flat)  # zero-stall: clones what no optimizer owns, now
+        # zero-stall: clones what no optimizer owns, now (or all of it, when opted out)
+        snapshot = protect(flat) if self.mgr.zero_stall else None
         tensors, staging = None, None
         if snapshot is None:  # nothing an optimizer owns: copy it all in the call
             flat.values = copy.deepcopy(flat.values)
