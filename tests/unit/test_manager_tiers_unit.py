@@ -551,3 +551,46 @@ def test_ram_copy_of_an_op_that_ended_after_its_copy_is_dropped(tmp_path, monkey
             mgr.join()
         local = os.path.join(node, "local", "rank_00000")
         assert sorted(os.listdir(local)) == ["step_00000001"]
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ("new_key", "keys missing from the copy ['model.c.bias', 'model.c.weight']"),
+        ("shape", "'model.a.weight' [4, 4] saved, [5, 4] given"),
+        ("part", "keys only in the copy ['optim.param_groups', 'optim.state.0.momentum_buffer'"),
+    ],
+)
+def test_restore_names_how_the_ram_copy_differs_from_the_state_given(tmp_path, change, words):
+    """A run resumed with a changed model (or restoring part of the state) got 'no tier
+    holds the shard of rank(s) [0]' and nothing about keys (walkthrough, 2026-11-28)."""
+    from shardkit.checkpoint import CheckpointError
+
+    def model(kind):
+        m = torch.nn.Module()
+        m.a = torch.nn.Linear(4, 5 if kind == "shape" else 4)
+        if kind == "new_key":
+            m.c = torch.nn.Linear(4, 4)
+        return m
+
+    tier = LocalTier(interval=1, directory=str(tmp_path / "node"))
+    saved = model("same")
+    opt = torch.optim.SGD(saved.parameters(), lr=0.1, momentum=0.9)
+    saved.a(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    kw = {"chkpt_on_preemption": False, "local_tier": tier}
+    with pytest.raises(KeyError):  # leave through an exception: the RAM copies stay
+        with CheckpointManager(str(tmp_path / "run"), 5, **kw) as mgr:
+            for step in range(1, 4):
+                mgr.save_async(step, {"model": saved.state_dict(), "optim": opt.state_dict()})
+            mgr.join()
+            raise KeyError("crash")
+    now = model(change)
+    state = {"model": now.state_dict()}
+    if change != "part":
+        state["optim"] = torch.optim.SGD(now.parameters(), lr=0.1, momentum=0.9).state_dict()
+    with CheckpointManager(str(tmp_path / "run"), 5, **kw) as mgr:
+        assert mgr.latest_step() == 3
+        with pytest.raises(CheckpointError, match="step 3 cannot be restored") as info:
+            mgr.restore(3, state)
+    assert words in str(info.value), str(info.value)

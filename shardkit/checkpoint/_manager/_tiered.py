@@ -351,6 +351,7 @@ class TierEngine:
                     f"{missing} (local, peer replica, or the persistent steps "
                     f"{persistent_steps(invs)} under {self.mgr.path}); the newest step "
                     f"restorable into this state dict is {avail}"
+                    + (self._layout_difference(step, state_dict) if stale else "")
                 )
             error = self._transfer_and_load(step, plan, flat, state_dict, fp)
             failed = comm.all_gather_json(None if error is None else str(error))
@@ -383,6 +384,41 @@ class TierEngine:
                 )  # fmt: skip
                 excluded.add((r, plan[r][1], plan[r][2]))
         raise CheckpointError(f"restoring step {step}: every source failed")
+
+    def _layout_difference(self, step: int, state_dict: dict) -> str:
+        """How this rank's RAM copy of ``step`` differs from ``state_dict`` (keys, shapes),
+        or ''. Only for the error: copies of another layout are skipped (did the model or
+        optimizer change, or is only a part of the saved state restored?)."""
+        from .._core._load import read_metadata
+
+        try:
+            md = read_metadata(self.store.copy_path("local", self.rank, step))
+        except (CheckpointError, OSError):
+            return ""
+        flat = flatten(state_dict, for_save=False, saved_parents=md.key_parents)
+        wanted, saved = set(flat.tensors) | set(flat.slots), set(md.keys())
+        shapes = [
+            f"{k!r} {list(md.tensors[k].shape)} saved, {list(flat.tensors[k].shape)} given"
+            for k in sorted(wanted & saved)
+            if k in md.tensors and k in flat.tensors
+            and tuple(md.tensors[k].shape) != tuple(flat.tensors[k].shape)
+        ]  # fmt: skip
+        parts = [
+            f"{what} {keys[:5]}{' ...' if len(keys) > 5 else ''}"
+            for what, keys in (
+                ("keys missing from the copy", sorted(wanted - saved)),
+                ("keys only in the copy", sorted(saved - wanted)),
+                ("other shapes", shapes),
+            )
+            if keys
+        ]
+        if not parts:
+            return ""
+        return (
+            f". This rank's RAM copy of step {step} holds another state than the one given "
+            f"({'; '.join(parts)}): the RAM tier restores the whole saved state into the same "
+            "keys and shapes; restore a persistent step to load a part of it or a changed model"
+        )
 
     def _drop_newer(self, step: int) -> None:
         """Remove own copies and held replicas newer than ``step``: an abandoned timeline."""
