@@ -521,6 +521,11 @@ def test_ram_copy_of_an_op_that_ended_after_its_copy_is_dropped(tmp_path, monkey
     from shardkit.checkpoint import CheckpointError
     from shardkit.checkpoint._core import _zero_stall
 
+    def _copied():  # the staging copy is done (wait_for_staging would also check)
+        staging = _zero_stall._active
+        if staging is not None:
+            staging.wait()
+
     written = threading.Event()
     real = LocalStore.write_own
 
@@ -543,7 +548,7 @@ def test_ram_copy_of_an_op_that_ended_after_its_copy_is_dropped(tmp_path, monkey
         mgr.join()
         written.clear()
         mgr.save_async(2, {"model": model.state_dict()})
-        _zero_stall.wait_for_staging()
+        _copied()
         with torch.no_grad():
             model.weight.add_(0.0)
         written.set()

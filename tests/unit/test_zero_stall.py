@@ -219,6 +219,14 @@ def test_load_into_the_staged_tensors_waits_for_staging(tmp_path):
     _assert_same(_snapshot(model.state_dict()), old["model"])
 
 
+def _copied():
+    """Wait until the save's staging copy is done, without its final check (which
+    ``wait_for_staging`` makes, as a load or a step would)."""
+    staging = _zero_stall._active
+    if staging is not None:
+        staging.wait()
+
+
 class _HeldWriter(dcp.FileSystemWriter):
     """Writes nothing until ``release`` is set: the save stays before its commit."""
 
@@ -231,11 +239,16 @@ class _HeldWriter(dcp.FileSystemWriter):
         super().write_file(name, parts)
 
 
-def _held_save(tmp_path):
-    """A trained model's zero-stall save whose writer holds until released."""
+def _trained():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, 0)
+    return model, opt
+
+
+def _held_save(tmp_path):
+    """A trained model's zero-stall save whose writer holds until released."""
+    model, opt = _trained()
     expected = _snapshot(_state(model, opt))
     writer = _HeldWriter(tmp_path / "ckpt")
     fut = dcp.async_save(_state(model, opt), storage_writer=writer)
@@ -248,7 +261,7 @@ def _in_flight_op_then(tmp_path, after_staging):
     (``add_(0)``) once staging is done; ``after_staging`` then runs before the save may
     write. Returns the save's future."""
     model, opt, _, writer, fut = _held_save(tmp_path)
-    _zero_stall.wait_for_staging()  # every piece copied and checked
+    _copied()  # every piece copied and checked
     with torch.no_grad():
         model[3].weight.add_(0.0)  # the op that ran during the copy ends now
     after_staging(model, opt)
@@ -283,3 +296,16 @@ def test_changes_after_the_next_step_do_not_fail_the_save(tmp_path):
     writer.release.set()
     fut.result(timeout=60)
     _assert_same(_load(tmp_path / "ckpt", expected), expected)
+
+
+def test_a_load_after_staging_does_not_fail_the_save(tmp_path):
+    """load() waits for staging and makes the final check first: its own writes into the
+    tensors come after it and do not count against the save still writing."""
+    other = tmp_path / "other"
+    dcp.save(_blank(_state(*_trained())), checkpoint_id=other)  # 7 everywhere
+    model, opt, expected, writer, fut = _held_save(tmp_path)
+    dcp.load(_state(model, opt), checkpoint_id=other)  # into the saved model, in place
+    writer.release.set()
+    fut.result(timeout=60)
+    _assert_same(_load(tmp_path / "ckpt", expected), expected)
+    assert all(bool((p == 7).all()) for p in model.parameters())

@@ -86,10 +86,18 @@ class Staging:
 
 
 def wait_for_staging() -> None:
-    """Wait until no save of this process is staging (its tensors may then change)."""
+    """Wait until no save of this process is staging (its tensors may then change).
+
+    Called before the caller changes state (a load, a restore, another save's staging),
+    so, as at an optimizer step, every save called before it gets its final check first:
+    the caller's earlier in-place ops have ended, and its own changes then do not count.
+    """
+    if threading.current_thread().name == STAGING_THREAD:
+        return
     staging = _active
-    if staging is not None and threading.current_thread().name != STAGING_THREAD:
+    if staging is not None:
         staging.wait()
+    _check_awaiting()
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
