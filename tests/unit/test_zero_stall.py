@@ -300,9 +300,16 @@ def test_changes_after_the_next_step_do_not_fail_the_save(tmp_path):
 
 def test_a_load_after_staging_does_not_fail_the_save(tmp_path):
     """load() waits for staging and makes the final check first: its own writes into the
-    tensors come after it and do not count against the save still writing."""
+    tensors come after it and do not count against the save still writing. The other
+    checkpoint is float64, so the load casts through copy_, which bumps the versions (a
+    load in the saved dtype reads straight into memory and bumps nothing)."""
     other = tmp_path / "other"
-    dcp.save(_blank(_state(*_trained())), checkpoint_id=other)  # 7 everywhere
+    blank = _blank(_state(*_trained()))  # 7 everywhere
+    for part in (blank["model"],):
+        for key, value in part.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                part[key] = value.double()
+    dcp.save(blank, checkpoint_id=other)
     model, opt, expected, writer, fut = _held_save(tmp_path)
     dcp.load(_state(model, opt), checkpoint_id=other)  # into the saved model, in place
     writer.release.set()
