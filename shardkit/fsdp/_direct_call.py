@@ -12,27 +12,12 @@ reduce-scatter.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch.utils._pytree import tree_map
 
 from ._errors import FSDPUsageError
+from ._options import cast_floats
 
-__all__ = ["install_direct_call_hooks", "cast_floats"]
-
-
-def cast_floats(value: Any, dtype: torch.dtype | None) -> Any:
-    """Every floating tensor in ``value`` (a pytree) in ``dtype``; None: unchanged."""
-    if dtype is None:
-        return value
-
-    def cast(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
-            return t.to(dtype)
-        return t
-
-    return tree_map(cast, value)
+__all__ = ["install_direct_call_hooks"]
 
 
 def install_direct_call_hooks(unit) -> None:
@@ -61,8 +46,7 @@ def pre_hook(unit, module, args: tuple, kwargs: dict):
     if unit._is_root:
         unit._start_root_call()
     unit._direct_call = True
-    unit._state.ensure_gathered()
-    unit._install(unit._state.fulls(), full=True)
+    unit._install(unit._state.fulls(), full=True)  # fulls() gathers first
     return cast_floats((args, kwargs), unit._opts.compute_dtype)
 
 

@@ -16,10 +16,10 @@ from .. import runtime
 from . import _direct_call
 from ._build import prepare_buffers, shard_parameters
 from ._comm import group_info
-from ._direct_call import cast_floats, install_direct_call_hooks
+from ._direct_call import install_direct_call_hooks
 from ._hf import guard_save_pretrained
 from ._meta import FSDPUsageError, materialize_meta, uses_checkpointing
-from ._options import FSDPOptions
+from ._options import FSDPOptions, cast_floats
 from ._rows import describe_rows, install_optimizer_hooks, local_rows, row_entries
 from ._state import (
     clip_grad_norm,

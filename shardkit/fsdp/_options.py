@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
-__all__ = ["FSDPOptions"]
+__all__ = ["FSDPOptions", "cast_floats"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -72,3 +73,16 @@ class FSDPOptions:
         kwargs.pop("auto_wrap_policy")
         kwargs.pop("auto_wrapper_callable")
         return kwargs
+
+
+def cast_floats(value: Any, dtype: torch.dtype | None) -> Any:
+    """Every floating tensor in ``value`` (a pytree) in ``dtype``; None: unchanged."""
+    if dtype is None:
+        return value
+
+    def cast(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+
+    return tree_map(cast, value)

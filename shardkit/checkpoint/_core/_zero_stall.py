@@ -103,9 +103,14 @@ def wait_for_staging() -> None:
 def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     _known.add(optimizer)
     staging = _active
-    if staging is None or staging._done.is_set():
-        _check_awaiting()
-        return None
+    if staging is not None and not staging._done.is_set():
+        _wait_for(staging)
+    _check_awaiting()
+    return None
+
+
+def _wait_for(staging) -> None:
+    """Block this step until ``staging`` copied what it protects, counted in ``STATS``."""
     start = time.perf_counter()
     with _lock:
         STATS.waiting += 1
@@ -115,8 +120,6 @@ def _pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         STATS.waiting -= 1
         STATS.steps_waited += 1
         STATS.wait_s += time.perf_counter() - start
-    _check_awaiting()
-    return None
 
 
 def _check_awaiting() -> None:
