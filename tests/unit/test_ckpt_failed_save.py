@@ -71,8 +71,37 @@ def test_failed_metadata_commit_leaves_no_temporary(tmp_path, monkeypatch):
     monkeypatch.setattr(_storage, "_write_local", write)
     with pytest.raises(OSError, match="No space left"):
         dcp.save(_state(1.0), checkpoint_id=path)
-    assert not [n for n in os.listdir(path) if ".tmp-" in n or n == "metadata.json"]
+    # nothing committed, so nothing of the save is left: the data files and the
+    # directory the save made are gone too
+    assert not os.path.exists(path)
     assert not dcp.is_committed(path)
+
+
+def test_failed_save_removes_the_directory_it_made(tmp_path, disk_full_after):
+    disk_full_after[0] = 40_000
+    path = tmp_path / "runs" / "ckpt"
+    with pytest.raises(OSError, match="No space left"):
+        dcp.save(_state(1.0), storage_writer=dcp.FileSystemWriter(path, thread_count=2))
+    assert not path.exists()
+    assert os.listdir(tmp_path / "runs") == []  # only the leaf: parents may be shared
+
+
+def test_failed_save_keeps_a_directory_it_did_not_make(tmp_path, disk_full_after):
+    disk_full_after[0] = 40_000
+    path = tmp_path / "ckpt"
+    path.mkdir()  # the user's directory, empty before the save
+    with pytest.raises(OSError, match="No space left"):
+        dcp.save(_state(1.0), checkpoint_id=path)
+    assert path.is_dir() and os.listdir(path) == []
+
+
+def test_failed_async_save_removes_the_directory_it_made(tmp_path, disk_full_after):
+    disk_full_after[0] = 40_000
+    path = tmp_path / "ckpt"
+    weights = _state(1.0)
+    with pytest.raises(OSError, match="No space left"):
+        dcp.async_save(weights, checkpoint_id=path).result(timeout=60)
+    assert not path.exists()
 
 
 def test_a_write_error_names_the_file(tmp_path, monkeypatch):

@@ -207,7 +207,7 @@ def async_save(
             cap = max_file_bytes(writer)
             job = prepare(
                 state_dict, planner, comm, writer.thread_count, cap,
-                flat_fn=_flat_fn(flat, error), replicas=replicas,
+                flat_fn=_flat_fn(flat, error), replicas=replicas, writer=writer,
             )  # fmt: skip
             job.base = base
             staged = _stage(job, None)
@@ -235,7 +235,7 @@ def async_save(
                     cap = max_file_bytes(writer)
                     job = prepare(
                         state_dict, planner, comm, writer.thread_count, cap,
-                        flat_fn=_flat_fn(flat, None), replicas=replicas,
+                        flat_fn=_flat_fn(flat, None), replicas=replicas, writer=writer,
                     )  # fmt: skip
                     job.base = base
                     job.before_commit = snapshot.final

@@ -110,6 +110,9 @@ class SaveJob:
     #: called once the data is written, before the write agreement: raises to fail the
     #: save on every rank (a zero-stall save's last check of its sources)
     before_commit: Callable[[], None] | None = None
+    #: the checkpoint directory did not exist when the save was planned: a failed save
+    #: removes it again (once empty), leaving nothing behind
+    new_dir: bool = False
 
     @property
     def is_coordinator(self) -> bool:
@@ -146,12 +149,14 @@ def prepare(
     *,
     flat_fn: Callable[[], Flat] | None = None,
     replicas: str = "after",
+    writer: StorageWriter | None = None,
 ) -> SaveJob:
     """Flatten (or call ``flat_fn``), plan locally, exchange plans, plan globally (collective).
 
     ``replicas`` is when copies of replicated boxes are compared between ranks (see
     ``_replicas``): ``"after"`` the write (``save``), ``"before"`` it, with checksums of
-    the plain tensors in this exchange (``async_save``), or ``"off"``.
+    the plain tensors in this exchange (``async_save``), or ``"off"``. ``writer``, when
+    given, lets rank 0 tell every rank whether the save creates its directory.
     """
     assert replicas in ("after", "before", "off"), replicas
     error, payload, flat = None, None, None
@@ -165,6 +170,8 @@ def prepare(
         if comm.rank == 0:
             stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
             payload["save_id"] = f"{stamp}-{uuid.uuid4().hex[:12]}"
+            if isinstance(writer, FileSystemWriter):
+                payload["new_dir"] = not writer.directory_exists()
     except Exception as exc:
         error = exc
     replies = comm.agree(error, "planning the save", payload)
@@ -174,6 +181,7 @@ def prepare(
     save_id = replies[0]["save_id"]
     global_plans = planner.create_global_plan(plans)
     job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner)
+    job.new_dir = bool(replies[0].get("new_dir"))
     keepers = {k: {min(r for g in v for r in g)} for k, v in mismatched.items()}
     job.error = warn_mismatches(mismatched, keepers)
     job.file_cap = file_cap
@@ -328,7 +336,7 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
     except BaseException:
         # Nothing gets committed: this rank's partial files go now, so a full disk
         # (ENOSPC) is not kept full by them until some later save succeeds.
-        _remove_own_files(writer, job)
+        _discard(writer, job)
         raise
     metadata = _build_metadata(job, replies)
     error = None
@@ -337,7 +345,14 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
             writer.commit(metadata.to_json())
         except Exception as exc:
             error = exc
-    comm.agree(error, "committing the checkpoint metadata")
+    try:
+        comm.agree(error, "committing the checkpoint metadata")
+    except BaseException as exc:
+        # Only a commit known to have failed discards the files: when the exchange itself
+        # broke, rank 0 may have committed them.
+        if exc is error or getattr(exc, "failed_ranks", None):
+            _discard(writer, job)
+        raise
     if job.is_coordinator:
         _remove_superseded(writer, metadata)
     return metadata
@@ -391,6 +406,13 @@ def _rewrite_with_whole_copies(
     records, sizes, linked = _write_data(job, writer, data)
     sizes.update({name: size for name, size in mine["files"].items() if name not in old})
     return {**mine, "chunks": records, "files": sizes, "linked": linked}
+
+
+def _discard(writer: StorageWriter, job: SaveJob) -> None:
+    """A failed save: remove this rank's files, and the directory if the save made it."""
+    _remove_own_files(writer, job)
+    if job.new_dir and isinstance(writer, FileSystemWriter):
+        writer.remove_empty_directory()
 
 
 def _remove_own_files(writer: StorageWriter, job: SaveJob) -> None:
@@ -556,7 +578,7 @@ def save(
     base = base_reader(writer, incremental_base)
     job = prepare(
         state_dict, planner, comm, writer.thread_count, max_file_bytes(writer),
-        replicas="after" if verify_replicas else "off",
+        replicas="after" if verify_replicas else "off", writer=writer,
     )  # fmt: skip
     job.base = base
     return write_and_commit(job, writer, comm, live_data(planner))

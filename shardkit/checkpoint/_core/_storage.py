@@ -367,6 +367,22 @@ class FileSystemWriter(_FileSystem):
         except FileNotFoundError:
             return []
 
+    def directory_exists(self) -> bool:
+        """Whether the checkpoint directory exists yet (a failed save into a directory it
+        created removes that directory again, see ``remove_empty_directory``)."""
+        return os.path.isdir(self.root) if self.local else self.fs.isdir(self.root)
+
+    def remove_empty_directory(self) -> None:
+        """Remove the checkpoint directory if it is empty, else leave it: a failed save's
+        ranks each try once they removed their own files, so the last one succeeds."""
+        try:
+            if self.local:
+                os.rmdir(self.root)
+            else:
+                self.fs.rmdir(self.root)
+        except Exception:  # not empty yet, already gone, or the store has no directories
+            pass
+
     def remove_files(self, names: Sequence[str]) -> None:
         for name in names:
             try:
