@@ -77,6 +77,24 @@ def test_failed_metadata_commit_leaves_no_temporary(tmp_path, monkeypatch):
     assert not dcp.is_committed(path)
 
 
+def test_a_commit_that_landed_before_failing_keeps_its_files(tmp_path, monkeypatch):
+    """An object store may store the metadata and still raise (a timeout after the PUT):
+    the data files of that committed checkpoint must stay."""
+    path = str(tmp_path / "ckpt")
+    real = _storage.FileSystemWriter.commit
+
+    def commit_then_fail(self, metadata):
+        real(self, metadata)
+        raise TimeoutError("connection lost after the upload")
+
+    monkeypatch.setattr(_storage.FileSystemWriter, "commit", commit_then_fail)
+    with pytest.raises(TimeoutError):
+        dcp.save(_state(1.0), checkpoint_id=path)
+    got = {"a": torch.zeros(256, 64), "b": torch.zeros(128, 64)}
+    dcp.load(got, checkpoint_id=path)
+    assert torch.equal(got["a"], _state(1.0)["a"]) and torch.equal(got["b"], _state(1.0)["b"])
+
+
 def test_failed_save_removes_the_directory_it_made(tmp_path, disk_full_after):
     disk_full_after[0] = 40_000
     path = tmp_path / "runs" / "ckpt"

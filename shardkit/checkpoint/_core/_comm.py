@@ -66,7 +66,7 @@ class Comm:
         """Exchange success flags (and payloads); if any rank failed, every rank raises.
 
         The failing rank re-raises its own exception; the others raise CheckpointError
-        naming the failing ranks and their messages (and listing them in ``failed_ranks``).
+        naming the failing ranks and their messages.
         """
         mine = {"ok": error is None, "payload": payload if error is None else None}
         if error is not None:
@@ -77,7 +77,5 @@ class Comm:
             if error is not None:
                 raise error
             detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed.items())
-            exc = CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {detail}")
-            exc.failed_ranks = sorted(failed)  # the exchange itself completed
-            raise exc
+            raise CheckpointError(f"{what} failed on rank(s) {sorted(failed)}: {detail}")
         return [rep["payload"] for rep in replies]

@@ -341,18 +341,13 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
     metadata = _build_metadata(job, replies)
     error = None
     if job.is_coordinator:
+        encoded = metadata.to_json()
         try:
-            writer.commit(metadata.to_json())
+            writer.commit(encoded)
         except Exception as exc:
             error = exc
-    try:
-        comm.agree(error, "committing the checkpoint metadata")
-    except BaseException as exc:
-        # Only a commit known to have failed discards the files: when the exchange itself
-        # broke, rank 0 may have committed them.
-        if exc is error or getattr(exc, "failed_ranks", None):
-            _discard(writer, job)
-        raise
+            _discard_uncommitted(writer, job, replies, encoded)
+    comm.agree(error, "committing the checkpoint metadata")
     if job.is_coordinator:
         _remove_superseded(writer, metadata)
     return metadata
@@ -413,6 +408,23 @@ def _discard(writer: StorageWriter, job: SaveJob) -> None:
     _remove_own_files(writer, job)
     if job.new_dir and isinstance(writer, FileSystemWriter):
         writer.remove_empty_directory()
+
+
+def _discard_uncommitted(
+    writer: StorageWriter, job: SaveJob, replies: list[dict], metadata: bytes
+) -> None:
+    """Rank 0 after its commit failed: every rank's files of this save (all in this
+    directory; linked base files are not among them) go, unless the metadata landed
+    anyway or that cannot be told, so a committed checkpoint never loses its data."""
+    if not isinstance(writer, FileSystemWriter):
+        return  # a custom writer: its commit may have landed; keep the files
+    try:
+        if writer.holds_metadata(metadata):
+            return
+    except Exception:
+        return
+    job.files = [(name, []) for reply in replies for name in reply["files"]]
+    _discard(writer, job)
 
 
 def _remove_own_files(writer: StorageWriter, job: SaveJob) -> None:

@@ -372,6 +372,20 @@ class FileSystemWriter(_FileSystem):
         created removes that directory again, see ``remove_empty_directory``)."""
         return os.path.isdir(self.root) if self.local else self.fs.isdir(self.root)
 
+    def holds_metadata(self, metadata: bytes) -> bool:
+        """Whether ``metadata`` is the committed metadata file (after a failed commit: an
+        object store may have stored it anyway). Raises when that cannot be told."""
+        final = self.join(METADATA_FILE)
+        try:
+            if self.local:
+                if os.path.getsize(final) != len(metadata):
+                    return False
+                with open(final, "rb") as f:
+                    return f.read() == metadata
+            return self.fs.size(final) == len(metadata) and self.fs.cat_file(final) == metadata
+        except FileNotFoundError:
+            return False
+
     def remove_empty_directory(self) -> None:
         """Remove the checkpoint directory if it is empty, else leave it: a failed save's
         ranks each try once they removed their own files, so the last one succeeds."""
