@@ -11,6 +11,7 @@ arguments, a missing path, not a checkpoint); 3 damaged checkpoint (a command ot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -107,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    if args.command == "ckpt" and getattr(args, "ckpt_command", None) is None:
-        parser.parse_args(["ckpt", "--help"])
+    if args.command is None or (
+        args.command == "ckpt" and getattr(args, "ckpt_command", None) is None
+    ):  # a usage error, as argparse treats a missing argument: help on stderr, exit 2
+        with contextlib.redirect_stdout(sys.stderr), contextlib.suppress(SystemExit):
+            parser.parse_args([*([args.command] if args.command else []), "--help"])
+        return EXIT_ERROR
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # `shardkit ckpt inspect ... | head`: not an error

@@ -167,6 +167,14 @@ def test_usage_errors_and_diff_options(tmp_path):
     assert "--from" in line  # convert has it
 
 
+@pytest.mark.parametrize("argv", [[], ["ckpt"]], ids=["shardkit", "shardkit ckpt"])
+def test_a_missing_command_is_a_usage_error(argv, capsys):
+    """``shardkit`` alone printed its help and exited 0, so `shardkit && next` went on."""
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(f"usage: {' '.join(['shardkit', *argv])} ")
+
+
 def test_an_internal_error_is_one_line_exit_4(tmp_path, monkeypatch):
     from shardkit.cli import _ckpt
 
