@@ -257,6 +257,9 @@ def step_status(url: str):
 # -- inspect ------------------------------------------------------------------------------
 def describe(path: str) -> dict:
     """What ``inspect --json`` prints: the checkpoint's header and one entry per key."""
+    fs, root = require_exists(path)
+    if not fs.isdir(root):
+        return _describe_file(path)
     md = checkpoint_metadata(path)
     tensors = {}
     for key in sorted(md.tensors):
@@ -282,18 +285,48 @@ def describe(path: str) -> dict:
     }
 
 
+def _describe_file(path: str) -> dict:
+    """``describe`` of a single safetensors or torch.save file, read by ``diff``'s checked
+    readers (a header is validated before anything is allocated; nothing is unpickled
+    beyond what torch's ``weights_only`` loader allows)."""
+    from ._ckpt_convert import Source
+
+    src = Source(path)
+    tensors = {
+        key: {
+            "dtype": str(dtype).removeprefix("torch."),
+            "shape": list(shape),
+            "chunks": 1,
+            "bytes": math.prod(shape) * dtype.itemsize,
+        }
+        for key, (dtype, shape) in sorted(src.tensors.items())
+    }
+    return {
+        "path": path,
+        "format": src.format,
+        "total_bytes": sum(t["bytes"] for t in tensors.values()),
+        "tensors": tensors,
+        "values": {k: _jsonable(src.values[k]) for k in sorted(src.values)},
+        "pickled_objects": [],
+    }
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """A table of keys with dtype, global shape, chunk count and bytes."""
     info = describe(args.path)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
-        return _warn_if_damaged(args.path)
+        return 0 if "format" in info else _warn_if_damaged(args.path)
     print(f"checkpoint     {printable(info['path'])}")
-    print(f"format version {info['format_version']}")
-    print(f"created        {printable(info['created'])}")
-    print(f"world size     {info['world_size']} (at save)")
-    print(f"stored bytes   {human_bytes(info['total_bytes'])} in data files")
-    if info["linked_dirs"]:
+    if "format" in info:  # a single file
+        print(f"format         {info['format']} file")
+        print(f"tensor bytes   {human_bytes(info['total_bytes'])}")
+    else:
+        print(f"format version {info['format_version']}")
+        print(f"created        {printable(info['created'])}")
+        print(f"world size     {info['world_size']} (at save)")
+        print(f"stored bytes   {human_bytes(info['total_bytes'])} in data files")
+    if info.get("linked_dirs"):
         print(
             f"shared bytes   {human_bytes(info['shared_bytes'])} read from files of "
             f"{', '.join(info['linked_dirs'])} (incremental; shardkit ckpt materialize "
@@ -318,7 +351,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"{printable(key)} = {printable(json.dumps(value, default=str))}")
     for key in info["pickled_objects"]:
         print(f"{printable(key)} = <pickled object: not loaded>")
-    return _warn_if_damaged(args.path)
+    return 0 if "format" in info else _warn_if_damaged(args.path)
 
 
 def _warn_if_damaged(path: str) -> int:

@@ -141,7 +141,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 # -- diff ---------------------------------------------------------------------------------
-class _Source:
+class Source:
     """Per-key access to a checkpoint in any readable format, one tensor at a time."""
 
     def __init__(self, path: str) -> None:
@@ -197,7 +197,7 @@ class _Source:
 
     def _local(self) -> str:
         if "://" in self.path and not self.path.startswith("file://"):
-            raise CliError(f"diff reads {self.format} files from local paths only, got {self.path}")
+            raise CliError(f"{self.format} files are read from local paths only, got {self.path}")
         return self.path.removeprefix("file://")
 
     def keys(self) -> set[str]:
@@ -240,7 +240,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     Exits 0 when the checkpoints match and 1 when they differ, like diff(1).
     """
-    a, b = _Source(args.a), _Source(args.b)
+    a, b = Source(args.a), Source(args.b)
     only_a, only_b = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
     differ: list[tuple[str, str]] = []
     same = 0

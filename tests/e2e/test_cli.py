@@ -107,6 +107,29 @@ def test_inspect_table_and_json(ckpts):
     assert info["tensors"]["model.b"]["chunks"] == 1
 
 
+def test_inspect_single_files(tmp_path):
+    """inspect reads a safetensors or torch.save file too (it refused any file before),
+    through diff's checked readers: a hostile header is refused, nothing allocated."""
+    from safetensors.torch import save_file
+
+    state = {"w": torch.zeros(6, 4), "b": torch.zeros(6, dtype=torch.bfloat16)}
+    save_file(state, tmp_path / "m.safetensors")
+    torch.save({"model": state, "epoch": 3}, tmp_path / "m.pt")
+    info = json.loads(shardkit("ckpt", "inspect", "--json", tmp_path / "m.safetensors").stdout)
+    assert info["format"] == "safetensors" and info["total_bytes"] == 96 + 12
+    assert info["tensors"]["b"] == {"dtype": "bfloat16", "shape": [6], "chunks": 1, "bytes": 12}
+    table = shardkit("ckpt", "inspect", tmp_path / "m.pt").stdout
+    assert "format         torch file" in table and "epoch = 3" in table
+    row = next(line.split() for line in table.splitlines() if line.startswith("model.w "))
+    assert row[:3] == ["model.w", "float32", "6x4"]
+    # a header declaring 2**40 floats over 8 bytes of data
+    header = b'{"x":{"dtype":"F32","shape":[1099511627776],"data_offsets":[0,8]}}'
+    (tmp_path / "bad.safetensors").write_bytes(
+        len(header).to_bytes(8, "little") + header + b"\0" * 8
+    )
+    one_line_error(shardkit("ckpt", "inspect", tmp_path / "bad.safetensors", ok=(3,)), "'x'")
+
+
 def test_verify_ok_then_corrupt_names_file_key_and_chunk(ckpts, tmp_path):
     import shutil
 
@@ -215,7 +238,7 @@ def test_bad_inputs_give_one_line_and_debug_gives_traceback(ckpts, tmp_path):
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"hello world, not a checkpoint")
     one_line_error(shardkit("ckpt", "convert", junk, tmp_path / "x", ok=(2,)), "cannot tell")
-    one_line_error(shardkit("ckpt", "inspect", junk, ok=(2,)), "not a shardkit checkpoint")
+    one_line_error(shardkit("ckpt", "inspect", junk, ok=(2,)), "cannot tell the format")
     # demo options that cannot work are refused before anything starts
     one_line_error(shardkit("demo", "--hook", "fp16", ok=(2,)), "--strategy ddp only")
     one_line_error(shardkit("demo", "--nnodes", "2", ok=(2,)), "--master-addr", "--out")
