@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from ._state import (
     param_fqns,
     shard_metadata,
     sharded_state_dict,
+    with_wrapper_names,
 )
 from ._unit import UnitState
 from ._wrap import auto_wrap
@@ -408,6 +409,17 @@ class FullyShardedDataParallel(nn.Module):
         if not keep_vars and not self._nested:
             describe_rows(self, out, prefix)
         return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; keys may also lack the wrapper's names.
+
+        This wrapper's keys carry ``module.``; torch FSDP1's and a plain model's do not.
+        Both load, full tensors or this rank's rows (a plain ``strict=False`` load of
+        FSDP1 names would otherwise load nothing, silently).
+        """
+        if not self._nested and isinstance(state_dict, Mapping):
+            state_dict = with_wrapper_names(self, state_dict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if not self._nested:

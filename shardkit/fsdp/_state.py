@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..checkpoint._core._planner import wrapped_pairs
 from ..spmd import Mesh, ShardedTensor
 from ._errors import FSDPUsageError
 
@@ -232,3 +234,31 @@ def clip_grad_norm(model, max_norm: float, norm_type: float = 2.0) -> torch.Tens
     for g, _ in grads:
         g.detach().mul_(coef.to(g.dtype))
     return total
+
+
+def with_wrapper_names(model, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` with keys that lack the wrapper's names renamed to this model's.
+
+    torch FSDP1 and a plain model name a parameter ``0.weight``; this wrapper names it
+    ``module.0.weight``. Code moved over from FSDP1 loads the former, and with
+    ``strict=False`` would silently load nothing. Only keys this model lacks are renamed,
+    and only to keys it expects that the state dict lacks."""
+    wanted = model.state_dict(keep_vars=True).keys()  # the names only: no row wrapping
+    missing = [k for k in wanted if k not in state_dict]
+    extra = [k for k in state_dict if k not in wanted]
+    pairs = wrapped_pairs(missing, extra) if missing and extra else []
+    if not pairs:
+        return state_dict
+    renamed = {have: want for want, have in pairs}
+    out = OrderedDict((renamed.get(k, k), v) for k, v in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # module versions, by module prefix: rename those too
+        modules = {_module_of(have): _module_of(want) for have, want in renamed.items()}
+        out._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (modules.get(prefix, prefix), v) for prefix, v in metadata.items()
+        )
+    return out
+
+
+def _module_of(key: str) -> str:
+    return key.rpartition(".")[0]
