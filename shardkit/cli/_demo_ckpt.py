@@ -118,7 +118,7 @@ class DemoCheckpoints:
         }
         with warnings.catch_warnings():  # the optimizer state is skipped on purpose
             warnings.simplefilter("ignore", UserWarning)
-            load({"model": _nest(model)}, checkpoint_id=ckpt, strict=False)
+            load({"model": _nest(model)}, checkpoint_id=ckpt, strict=False, no_dist=True)
         save_file({k.removeprefix("model."): v for k, v in model.items()}, out_file)
 
 

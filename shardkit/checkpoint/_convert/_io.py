@@ -194,6 +194,7 @@ def read_objects(reader: FileSystemReader, keys: Sequence[str]) -> dict[str, Any
                 storage_reader=reader,
                 planner=DefaultLoadPlanner(allow_pickle=True),
                 strict=False,
+                no_dist=True,  # a conversion may run on one rank of a job
             )
     return out
 

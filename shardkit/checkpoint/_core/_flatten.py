@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch.nn import Parameter
 
 from ...spmd import ShardedTensor
 from ...spmd.layout import Box, chunk_bounds
@@ -62,6 +63,9 @@ class Flat:
     statefuls: list[tuple[Stateful, dict]]
     #: tensor keys this rank holds no piece of (a DTensor whose mesh excludes this rank)
     absent: set[str] = field(default_factory=set)
+    #: load only: meta tensors of the state dict, read into these CPU tensors instead,
+    #: which replace them in their containers once the load succeeded (as torch's load)
+    materialized: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
 
 
 def _dtensor_types():
@@ -139,6 +143,12 @@ def _has_tensor(value: Any) -> bool:
     return False
 
 
+def _named(value: Any) -> bool:
+    """A named tuple (or another tuple subclass) of plain values: one value that needs
+    pickle to come back as itself, not entries to walk."""
+    return isinstance(value, tuple) and type(value) not in (tuple, torch.Size)
+
+
 def flatten(
     state_dict: dict, *, for_save: bool, saved_parents: Container[str] = frozenset()
 ) -> Flat:
@@ -169,6 +179,14 @@ def flatten(
     def walk(value: Any, key: str, container: Any, index: Any) -> None:
         if isinstance(value, torch.Tensor):
             claim(key, "a tensor")
+            if not for_save and value.is_meta and type(value) in (torch.Tensor, Parameter):
+                if not isinstance(container, (dict, list)):
+                    raise TypeError(
+                        f"key {key!r}: a meta tensor in a {type(container).__name__} cannot "
+                        "be replaced by the loaded one; put it in a dict or a list"
+                    )
+                value = torch.empty_like(value, device="cpu")
+                flat.materialized.append((Slot(container, index), value))
             leaf = tensor_leaf(key, value, for_save)
             if leaf is None:
                 flat.absent.add(key)
@@ -186,7 +204,7 @@ def flatten(
             flat.statefuls.append((value, inner))
             return
         if isinstance(value, (dict, list, tuple)) and (
-            _has_tensor(value) or not is_json_value(value) or key in parents
+            _has_tensor(value) or key in parents or not (is_json_value(value) or _named(value))
         ):
             walk_container(value, key)
             return

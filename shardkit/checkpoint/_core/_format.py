@@ -6,6 +6,7 @@ See docs/checkpoint-format.md for the specification this module implements.
 from __future__ import annotations
 
 import bisect
+import enum
 import functools
 import json
 import math
@@ -119,9 +120,18 @@ _TAG = "__shardkit__"
 
 
 def is_json_value(value: Any) -> bool:
-    """Whether ``value`` round-trips through :func:`encode_value` without pickle."""
+    """Whether ``value`` round-trips through :func:`encode_value` without pickle.
+
+    An enum member and a tuple subclass other than ``torch.Size`` (a named tuple) are not:
+    they would come back a plain int or tuple, and code reading ``.name`` or a field
+    breaks. Other subclasses of int, float and str (``numpy.float64``) come back plain.
+    """
+    if isinstance(value, enum.Enum):
+        return False
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
+    if isinstance(value, tuple) and type(value) not in (tuple, torch.Size):
+        return False
     if isinstance(value, (list, tuple)):
         return all(is_json_value(v) for v in value)
     if isinstance(value, dict):
@@ -138,6 +148,8 @@ def encode_value(value: Any) -> Any:
         return {_TAG: "float", "repr": repr(value)}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, torch.Size):
+        return {_TAG: "size", "items": [int(v) for v in value]}
     if isinstance(value, tuple):
         return {_TAG: "tuple", "items": [encode_value(v) for v in value]}
     if isinstance(value, list):
@@ -162,6 +174,11 @@ def decode_value(value: Any) -> Any:
             return float(value["repr"])
         if tag == "tuple":
             return tuple(decode_value(v) for v in value["items"])
+        if tag == "size":
+            items = value["items"]
+            if not all(is_int(v) and 0 <= v < 1 << 63 for v in items):
+                raise ValueError(f"a torch.Size holds {items!r:.60}, not sizes")
+            return torch.Size(items)
         if tag == "dict":
             return {decode_value(k): decode_value(v) for k, v in value["items"]}
         return {k: decode_value(v) for k, v in value.items()}

@@ -6,6 +6,7 @@ import math
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,10 +14,11 @@ import xxhash
 
 from ... import runtime
 from ...spmd.layout import Box
+from ._comm import Comm
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._flatten import Flat, flatten
 from ._format import METADATA_FILE, Metadata
-from ._planner import DefaultLoadPlanner, LoadPlanner, ReadItem
+from ._planner import DefaultLoadPlanner, LoadPlanner, ReadItem, fill_dict
 from ._read_chunks import LocalFiles, chunk_label, read_items
 from ._storage import FileSystemReader, StorageReader, resolve_storage
 from ._validate import check_files, where
@@ -131,7 +133,11 @@ def _apply_values(
     """Set the non-tensor entries (checked by ``_check_value_slots``)."""
     for key, slot in flat.slots.items():
         if key in metadata.values:
-            slot.container[slot.index] = metadata.values[key]
+            given, saved = flat.values.get(key), metadata.values[key]
+            if isinstance(given, dict) and isinstance(saved, dict):
+                fill_dict(given, saved)  # entry by entry, as torch's flattened keys
+            else:
+                slot.container[slot.index] = saved
         elif key in metadata.objects:
             slot.container[slot.index] = _load_object(reader, key, metadata)
         # missing: reported by the planner
@@ -151,15 +157,19 @@ def load(
 
     Tensors (plain, ShardedTensor and DTensor local shards) are filled with ``copy_``;
     each rank reads only the saved bytes overlapping its own boxes, and verifies their
-    checksums. JSON values are replaced in the caller's containers and Stateful objects
-    get ``load_state_dict``. Any saved layout loads into any layout on any world size.
-    Load needs no collectives, so ``process_group`` and ``no_dist`` (torch's) are
-    accepted for symmetry only.
+    checksums. JSON values are replaced in the caller's containers (a dict entry by
+    entry) and Stateful objects get ``load_state_dict``. Any saved layout loads into any
+    layout on any world size.
 
-    As torch's ``dcp.load``: the keys of ``state_dict`` are what is loaded, keys the
-    checkpoint has beyond them are ignored, a key the checkpoint lacks raises unless
-    ``planner=DefaultLoadPlanner(allow_partial_load=True)``, and a saved dtype is cast to
-    the destination's. Stateful objects are visited in sorted key order on every rank.
+    As torch's ``dcp.load``: every rank of ``process_group`` calls it, and a failure on
+    any rank raises on every rank (two small agreements: after checking the state dict
+    against the checkpoint, before anything is read; and after reading, before values
+    are set and Stateful objects loaded). ``no_dist=True`` loads on this rank alone. The
+    keys of ``state_dict`` are what is loaded, keys the checkpoint has beyond them are
+    ignored, a key the checkpoint lacks raises unless
+    ``planner=DefaultLoadPlanner(allow_partial_load=True)``, a saved dtype is cast to
+    the destination's, and a meta tensor is replaced by the loaded one. Stateful objects
+    are visited in sorted key order on every rank.
 
     Args:
         state_dict: the state to fill, allocated by the caller.
@@ -168,17 +178,35 @@ def load(
             Given with ``checkpoint_id``, it is pointed there first (its ``reset``), as
             in torch.
         planner: defaults to :class:`DefaultLoadPlanner`.
+        process_group: the ranks loading together (default: the world).
+        no_dist: load on this rank alone, with no collectives (as torch's).
         strict: None (default) follows the planner. True (shardkit's stricter check):
             raise on missing or unexpected keys. False: skip both with a warning.
 
     Raises:
         StateDictMismatchError: a key missing from the checkpoint, a shape mismatch.
         CorruptCheckpointError: checksum mismatch, truncated or missing file, unknown version.
+        CheckpointError: on the other ranks, naming the rank that failed and its error.
     """
-    del process_group, no_dist
-    runtime.init()  # join the world the environment describes (torchrun, SLURM)
+    if not no_dist:
+        runtime.init()  # join the world the environment describes (torchrun, SLURM)
+    comm = Comm(process_group, local=bool(no_dist))
     reader = resolve_reader(checkpoint_id, storage_reader)
-    load_with_metadata(state_dict, reader, _metadata(reader), planner=planner, strict=strict)
+    if comm.world_size == 1:
+        load_with_metadata(state_dict, reader, _metadata(reader), planner=planner, strict=strict)
+        return
+    job, error = None, None
+    try:
+        job = _plan_load(state_dict, reader, _metadata(reader), planner, strict)
+    except Exception as exc:
+        error = exc
+    comm.agree(error, "checking the checkpoint against the state dict")
+    try:
+        _read(job)
+    except Exception as exc:
+        error = exc
+    comm.agree(error, "reading the checkpoint")
+    _apply(job)
 
 
 def load_with_metadata(
@@ -189,11 +217,27 @@ def load_with_metadata(
     planner: LoadPlanner | None = None,
     strict: bool | None = None,
 ) -> None:
-    """:func:`load` with the checkpoint's metadata already read and parsed.
+    """:func:`load` on this rank alone, with the checkpoint's metadata already parsed.
 
     For callers that load one checkpoint in many small steps (the format conversions
     stream it tensor by tensor), so the metadata is parsed once, not once per step.
     """
+    job = _plan_load(state_dict, reader, metadata, planner, strict)
+    _read(job)
+    _apply(job)
+
+
+@dataclass
+class _LoadJob:
+    reader: StorageReader
+    metadata: Metadata
+    planner: LoadPlanner
+    flat: Flat
+    items: list[ReadItem]
+
+
+def _plan_load(state_dict, reader, metadata, planner, strict) -> _LoadJob:
+    """Everything checked before anything is read or changed."""
     planner = planner if planner is not None else DefaultLoadPlanner()
     if not isinstance(planner, LoadPlanner):
         raise TypeError(f"planner must be a LoadPlanner, got {type(planner).__name__}")
@@ -209,9 +253,15 @@ def load_with_metadata(
     for key in wanted_objects:
         why.setdefault(metadata.objects[key].file, f"key {key!r}")
     _check_files(reader, metadata, set(why), why)
-    dtypes = {i.key: metadata.tensors[i.key].dtype for i in plan.items}
-    same = [i for i in plan.items if flat.tensors[i.key].dtype == dtypes[i.key]]
-    cast = [i for i in plan.items if flat.tensors[i.key].dtype != dtypes[i.key]]
+    return _LoadJob(reader, metadata, planner, flat, list(plan.items))
+
+
+def _read(job: _LoadJob) -> None:
+    """Read every planned item into place, verifying checksums."""
+    reader, planner, flat = job.reader, job.planner, job.flat
+    dtypes = {i.key: job.metadata.tensors[i.key].dtype for i in job.items}
+    same = [i for i in job.items if flat.tensors[i.key].dtype == dtypes[i.key]]
+    cast = [i for i in job.items if flat.tensors[i.key].dtype != dtypes[i.key]]
     files = LocalFiles(reader)
     try:
         if reader.thread_count > 1 and same:  # one large chunk is shared too
@@ -223,8 +273,14 @@ def load_with_metadata(
             _read_cast(planner, item, dtypes[item.key], files)
     finally:
         files.close()
-    _apply_values(reader, flat, metadata, planner)
-    for obj, inner in flat.statefuls:  # post-order in sorted keys: one order on every rank
+
+
+def _apply(job: _LoadJob) -> None:
+    """Set the values, swap meta tensors for the loaded ones, load Stateful objects."""
+    _apply_values(job.reader, job.flat, job.metadata, job.planner)
+    for slot, tensor in job.flat.materialized:  # meta tensors: now the loaded ones
+        slot.container[slot.index] = tensor
+    for obj, inner in job.flat.statefuls:  # post-order in sorted keys: one order on every rank
         obj.load_state_dict(inner)
 
 

@@ -291,6 +291,38 @@ def _wrapper_hint(missing: list[str], saved: Any) -> str:
     )
 
 
+def dict_differences(given: Any, saved: Any, key: str) -> tuple[list[str], list[str]]:
+    """The dotted entries of a non-empty dict value ``given`` that ``saved`` lacks, and
+    those only ``saved`` has (torch flattens such dicts into one key per entry). An empty
+    dict, or a value that is not a dict on both sides, is replaced whole."""
+    if not (isinstance(given, dict) and given and isinstance(saved, dict)):
+        return [], []
+    lacking = [f"{key}.{k}" for k in given if k not in saved]
+    extra = [f"{key}.{k}" for k in saved if k not in given]
+    for k, value in given.items():
+        if k in saved:
+            more, rest = dict_differences(value, saved[k], f"{key}.{k}")
+            lacking += more
+            extra += rest
+    return lacking, extra
+
+
+def fill_dict(given: dict, saved: dict) -> None:
+    """``saved``'s entries into ``given`` in place (keeping its type: a ``Counter`` stays
+    one), for the keys ``given`` has; an empty ``given`` takes every entry."""
+    if not given:
+        for k, value in saved.items():
+            given[k] = value
+        return
+    for k, value in given.items():
+        if k not in saved:
+            continue  # a partial load leaves it
+        if isinstance(value, dict) and value and isinstance(saved[k], dict):
+            fill_dict(value, saved[k])
+        else:
+            given[k] = saved[k]
+
+
 class DefaultLoadPlanner(LoadPlanner):
     """Reads, for each local tensor, only the saved chunks' overlap with its box.
 
@@ -347,10 +379,17 @@ class DefaultLoadPlanner(LoadPlanner):
     def _check_keys(self) -> None:
         flat, md = self.flat, self.metadata
         wanted = set(flat.tensors) | set(flat.slots) | flat.absent
-        missing = sorted(k for k in wanted if k not in md.tensors and k not in md.values
-                         and k not in md.objects)  # fmt: skip
+        missing = [k for k in wanted if k not in md.tensors and k not in md.values
+                   and k not in md.objects]  # fmt: skip
+        nested_unexpected = []
+        for key, value in flat.values.items():  # a dict value is filled entry by entry
+            if key in md.values:
+                lacking, extra = dict_differences(value, md.values[key], key)
+                missing += lacking
+                nested_unexpected += extra
+        missing.sort()
         if self.load_strict is False:  # load(strict=False): skip both sides, say so
-            unexpected = sorted(set(md.keys()) - wanted)
+            unexpected = sorted([*(set(md.keys()) - wanted), *nested_unexpected])
             if missing or unexpected:
                 warnings.warn(
                     f"load(strict=False) skips keys missing from the checkpoint {missing} and "
@@ -359,7 +398,7 @@ class DefaultLoadPlanner(LoadPlanner):
                 )
             return
         if self.load_strict or self.strict:
-            unexpected = sorted(set(md.keys()) - wanted)
+            unexpected = sorted([*(set(md.keys()) - wanted), *nested_unexpected])
             if missing or unexpected:
                 raise StateDictMismatchError(
                     f"{on_rank()}state dict and checkpoint keys differ: missing from the "

@@ -6,6 +6,7 @@ import datetime
 import os
 import pickle
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable
@@ -110,9 +111,14 @@ class SaveJob:
     #: called once the data is written, before the write agreement: raises to fail the
     #: save on every rank (a zero-stall save's last check of its sources)
     before_commit: Callable[[], None] | None = None
+    #: ``time.time()`` when planning began (see ``_remove_superseded``)
+    started: float = field(default_factory=time.time)
     #: the checkpoint directory did not exist when the save was planned: a failed save
     #: removes it again (once empty), leaving nothing behind
     new_dir: bool = False
+    #: this rank holds plain values under keys rank 0 lacks (or under fewer keys): it
+    #: sends them with the write agreement, so they are saved as torch saves them
+    other_values: bool = False
 
     @property
     def is_coordinator(self) -> bool:
@@ -159,12 +165,16 @@ def prepare(
     given, lets rank 0 tell every rank whether the save creates its directory.
     """
     assert replicas in ("after", "before", "off"), replicas
+    started = time.time()
     error, payload, flat = None, None, None
     try:
         flat = flat_fn() if flat_fn is not None else flatten(state_dict, for_save=True)
         _refuse_pickle(flat, planner)
         planner.set_up_planner(flat, rank=comm.rank, world_size=comm.world_size)
         payload = {"plan": planner.create_local_plan().to_json()}
+        payload["value_keys"] = xxhash.xxh3_64_hexdigest(
+            repr(sorted(_entries(flat.values))).encode()
+        )
         if comm.world_size > 1 and replicas == "before":
             payload["replicas"] = replica_digests(flat)
         if comm.rank == 0:
@@ -180,8 +190,9 @@ def prepare(
     keep_one_copy(plans, mismatched)
     save_id = replies[0]["save_id"]
     global_plans = planner.create_global_plan(plans)
-    job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner)
+    job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner, started=started)
     job.new_dir = bool(replies[0].get("new_dir"))
+    job.other_values = replies[comm.rank]["value_keys"] != replies[0]["value_keys"]
     keepers = {k: {min(r for g in v for r in g)} for k, v in mismatched.items()}
     job.error = warn_mismatches(mismatched, keepers)
     job.file_cap = file_cap
@@ -320,8 +331,9 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
         payload = {"chunks": records, "files": sizes, "linked": linked}
         if shadows is not None:
             payload["replicas"] = shadows.result()
-        if job.is_coordinator:
+        if job.is_coordinator or job.other_values:
             payload["values"] = {k: encode_value(v) for k, v in job.flat.values.items()}
+        if job.is_coordinator:
             payload["objects"] = _write_objects(job, writer, sizes)
         if job.before_commit is not None:
             job.before_commit()
@@ -349,7 +361,7 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
             _discard_uncommitted(writer, job, replies, encoded)
     comm.agree(error, "committing the checkpoint metadata")
     if job.is_coordinator:
-        _remove_superseded(writer, metadata)
+        _remove_superseded(writer, metadata, job.started)
     return metadata
 
 
@@ -482,11 +494,40 @@ def _build_metadata(job: SaveJob, replies: list[dict]) -> Metadata:
     md.linked = links_from_replies(replies)
     md.version = linked_version(md.linked) or md.version
     md.values = {k: decode_value(v) for k, v in coord.get("values", {}).items()}
+    for reply in replies[1:]:  # entries rank 0 lacks: the lowest rank holding one wins
+        _add_missing(md.values, {k: decode_value(v) for k, v in reply.get("values", {}).items()})
     md.objects = {
         k: ObjectMeta(o["file"], o["offset"], o["nbytes"], o["xxh3_64"])
         for k, o in coord.get("objects", {}).items()
     }
     return md
+
+
+def _entries(values: dict, prefix: tuple = ()) -> list[tuple]:
+    """Every entry path of ``values``, into nested dicts (as torch flattens them)."""
+    out = []
+    for k, v in values.items():
+        path = (*prefix, repr(k))
+        out.append(path)
+        if isinstance(v, dict):
+            out += _entries(v, path)
+    return out
+
+
+def _add_missing(into: dict, other: dict) -> None:
+    """``other``'s entries that ``into`` lacks, into nested dicts too; ``into`` wins."""
+    for k, v in other.items():
+        if k not in into:
+            into[k] = v
+        elif isinstance(into[k], dict) and isinstance(v, dict):
+            _add_missing(into[k], v)
+
+
+def _modified_before(path: str, when: float) -> bool:
+    try:
+        return os.stat(path).st_mtime < when
+    except OSError:  # gone already
+        return False
 
 
 def _box(c: dict) -> Box:
@@ -502,12 +543,14 @@ def join_cleanups() -> None:
         _cleanups.pop().join()
 
 
-def _remove_superseded(writer: StorageWriter, metadata: Metadata) -> None:
+def _remove_superseded(writer: StorageWriter, metadata: Metadata, started: float) -> None:
     """Delete the files the new metadata does not name, in the background.
 
-    The list is taken now, right after the commit, so it can only hold files of older
-    saves (never of a later save into the same directory); deleting ~1 GiB takes a
-    noticeable part of a save on ext4, and nothing needs to wait for it.
+    The list is taken now, right after the commit; deleting ~1 GiB takes a noticeable
+    part of a save on ext4, and nothing needs to wait for it. A local file modified
+    after this save started is kept: it belongs to a save running beside this one
+    (processes saving into one directory with ``no_dist=True``), whose commit may
+    come after this one and would otherwise name deleted files.
     """
 
     def remove(stale: list[str]) -> None:
@@ -522,6 +565,8 @@ def _remove_superseded(writer: StorageWriter, metadata: Metadata) -> None:
             for n in writer.list_files()
             if n.startswith(_OWN_PREFIXES) and n not in metadata.files
         ]
+        if isinstance(writer, FileSystemWriter) and writer.local:
+            stale = [n for n in stale if _modified_before(writer.join(n), started)]
     except Exception as exc:
         warnings.warn(f"could not list files of superseded saves: {exc}", stacklevel=3)
         return

@@ -74,8 +74,9 @@ def save_step_async(
     )
 
 
-def load_step(mgr: CheckpointManager, step: int, state_dict: dict) -> None:
-    """In-place, resharding load of committed ``step``."""
+def load_step(mgr: CheckpointManager, step: int, state_dict: dict, *, alone: bool = False) -> None:
+    """In-place, resharding load of committed ``step``: collective, or ``alone`` on this
+    rank (a tiered restore, where only some ranks read storage and agree afterwards)."""
     from .._core._load import load
 
-    load(state_dict, storage_reader=_reader(mgr, step), process_group=mgr._ctrl)
+    load(state_dict, storage_reader=_reader(mgr, step), process_group=mgr._ctrl, no_dist=alone)

@@ -467,7 +467,7 @@ class TierEngine:
             if tier == "persistent":
                 from . import _io as io
 
-                io.load_step(self.mgr, step, state_dict)
+                io.load_step(self.mgr, step, state_dict, alone=True)
             else:
                 path = got if got is not None else self.store.copy_path(kind, me, step)
                 self.store.load_copy(path, flat, fp)
