@@ -61,6 +61,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         dim: the batch dim torch scatters over several local devices; one device per
             rank here, so it only has to be an int.
         device_ids / output_device: accepted as in torch for one device per rank.
+        device_mesh: a 1-D torch ``DeviceMesh`` whose group to average over, instead of
+            ``process_group`` (torch's option).
+
+    ``copy.deepcopy`` and pickling (``torch.save`` of the wrapper) work as torch's: the
+    copy is a working DDP over the default group, without a communication hook.
     """
 
     _shardkit_wrapper = True
@@ -80,6 +85,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         init_sync: bool = True,
         static_graph: bool = False,
         forward_sync_buffers: bool | None = None,
+        device_mesh=None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -114,6 +120,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise ValueError(
                 f"device_ids must be None or name this rank's one device, got {device_ids!r}"
             )
+        if device_mesh is not None:
+            process_group = _mesh_group(device_mesh, process_group)
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"process_group must be a torch.distributed.ProcessGroup or None (the world), "
@@ -152,16 +160,59 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._broadcast([p for _, p in self._named_params()])
             if init_sync_buffers:
                 self._broadcast(self._synced_buffers())
-        self.reducer = Reducer(
-            [p for _, p in named],
-            [n for n, _ in named],
-            cap_bytes=max(1, int(bucket_cap_mb * (1 << 20))),
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=find_unused_parameters or static_graph,
-            process_group=self.process_group,
-        )
+        self.reducer = self._build_reducer()
         self._hook_registered = False
         self._join_divide_by_initial = True
+
+    def _build_reducer(self) -> Reducer:
+        named = [(n, p) for n, p in self._named_params() if p.requires_grad]
+        return Reducer(
+            [p for _, p in named],
+            [n for n, _ in named],
+            cap_bytes=self.bucket_bytes_cap,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters or self.static_graph,
+            process_group=self.process_group,
+        )
+
+    # -- copies (copy.deepcopy, torch.save of the wrapper) ----------------------------
+
+    def __getstate__(self) -> dict:
+        """A copy leaves out the process group and the reducer, as torch's: it gets the
+        default group and a new reducer, without a communication hook (register it
+        again). Only a DDP over the default group can be copied, as in torch."""
+        if self.process_group not in (None, dist.group.WORLD):
+            raise RuntimeError(
+                "DistributedDataParallel: copying or pickling is only supported over the "
+                "default process group (as in torch); copy or save .module instead"
+            )
+        state = self.__dict__.copy()
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.process_group = _comm.resolve_group(None)
+        self.reducer = self._build_reducer()
+        self._hook_registered = False
+
+    # -- torch's smaller attributes ------------------------------------------------
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """Bytes per gradient bucket, from ``bucket_cap_mb`` (torch's attribute)."""
+        return max(1, int(self.bucket_cap_mb * (1 << 20)))
+
+    @property
+    def device_type(self) -> str:
+        """The parameters' device type (torch's attribute)."""
+        return self.device.type
+
+    def _set_static_graph(self) -> None:
+        """torch's private switch, which its error messages suggest: as
+        ``static_graph=True`` in the constructor."""
+        self.static_graph = True
+        self.reducer.find_unused = True
 
     # -- setup -------------------------------------------------------------------
 
@@ -344,6 +395,18 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self):
         """torch ``Joinable``: the group gradients are averaged over."""
         return self.process_group
+
+
+def _mesh_group(device_mesh, process_group):
+    """The group of a 1-D ``DeviceMesh`` given as ``device_mesh=`` (torch's option)."""
+    if process_group is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if getattr(device_mesh, "ndim", None) != 1:
+        raise ValueError(
+            f"device_mesh must be a 1-D torch DeviceMesh, got {device_mesh!r}; pass "
+            "process_group= for other groups"
+        )
+    return device_mesh.get_group()
 
 
 def _check_signature(hook: Callable, sig: inspect.Signature, state: object) -> None:

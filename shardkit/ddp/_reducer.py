@@ -112,6 +112,8 @@ class Reducer:
         self.output_hooks: list = []
         self.next_launch = 0
         self.backwards_done = 0
+        with torch.enable_grad():  # each parameter's AccumulateGrad node, kept alive
+            self.accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
         ref = weakref.ref(self)
         self.handles = [
             p.register_post_accumulate_grad_hook(_make_param_hook(ref, i))
@@ -166,10 +168,22 @@ class Reducer:
             reducer = ref()
             if reducer is not None:
                 with reducer.lock:
-                    if reducer.armed:
+                    if reducer.armed and reducer._reaches_parameters():
                         reducer._start_backward()
 
         self.output_hooks = [node.register_prehook(start) for node in nodes.values()]
+
+    def _reaches_parameters(self) -> bool:
+        """Whether the running backward accumulates into a parameter's ``.grad``.
+
+        ``torch.autograd.grad`` through the outputs (a gradient penalty, an adversarial
+        input) runs their nodes too, but fills no ``.grad``: it must neither start nor
+        end this forward's reduction, which the real backward after it does (as torch's
+        DDP, whose reduction only parameter hooks drive)."""
+        try:
+            return any(torch._C._will_engine_execute_node(a) for a in self.accumulators)
+        except RuntimeError:  # raised inside autograd.grad(), which fills no .grad
+            return False
 
     def _start_backward(self) -> None:
         """Once per backward: queue the end-of-backward step, mark unused parameters."""
