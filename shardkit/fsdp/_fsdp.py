@@ -18,7 +18,7 @@ from ._build import prepare_buffers, shard_parameters
 from ._comm import group_info
 from ._direct_call import install_direct_call_hooks
 from ._hf import guard_save_pretrained
-from ._meta import FSDPUsageError, materialize_meta, uses_checkpointing
+from ._meta import FSDPUsageError, materialize_meta, replaced_after_wrapping, uses_checkpointing
 from ._options import FSDPOptions, cast_floats
 from ._rows import describe_rows, install_optimizer_hooks, local_rows, row_entries
 from ._state import (
@@ -178,7 +178,7 @@ class FullyShardedDataParallel(nn.Module):
         self._pending_reduces: deque = deque()
         self._meta_checked = False
         self._full_installed = False  # the wrapped module holds full parameters now
-        self._direct_call = False  # a direct call of the wrapped module gathered them
+        self._direct_call = None  # the module whose direct call gathered the parameters
         install_direct_call_hooks(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -264,7 +264,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:
             unit._uses = 0
             unit._fulls = None
-            unit._direct_call = False
+            unit._direct_call = None
             unit._restore_shards()
             unit._state.free()
         if self._recording:
@@ -274,7 +274,7 @@ class FullyShardedDataParallel(nn.Module):
         return _direct_call.pre_hook(self, module, args, kwargs)
 
     def _direct_call_post_hook(self, module, args, output) -> None:
-        _direct_call.post_hook(self)
+        _direct_call.post_hook(self, module)
 
     def _pre_forward(self, track: bool) -> None:
         state = self._state
@@ -295,9 +295,15 @@ class FullyShardedDataParallel(nn.Module):
         self._install(fulls, full=True)
 
     def _install(self, tensors, *, full: bool) -> None:
-        for p, t in zip(self._state.params, tensors):
+        tensors = list(tensors)
+        before = self.__dict__.get("_installed") or [None] * len(tensors)
+        for p, t, last in zip(self._state.params, tensors, before):
             for mod, name in p.owners:
+                current = mod._parameters.get(name)
+                if current is not last and current is not p.shard and current is not p.full:
+                    replaced_after_wrapping(p, mod, name)
                 mod._parameters[name] = t
+        self.__dict__["_installed"] = tensors  # what a later install expects to find
         self._full_installed = full
 
     def _restore_shards(self) -> None:
