@@ -56,8 +56,11 @@ def iter_entries(model) -> Iterator[tuple[str, str, str, Any]]:
             if p is not None:
                 if id(p) not in owner:
                     raise RuntimeError(
-                        f"parameter {up + name!r} is not a shard; state dicts of an FSDP model "
-                        "cannot be taken inside its forward"
+                        f"parameter {up + name!r} is not a shard: its unit still holds the "
+                        "gathered parameters. State dicts of an FSDP model cannot be taken "
+                        "inside its forward or backward; after a finished step this means a "
+                        "unit ran inside torch's checkpoint_wrapper (apply_activation_"
+                        "checkpointing before wrapping): apply it after wrapping instead"
                     )
                 yield "param", up + name, sp + name, owner[id(p)]
         for name, b in mod._buffers.items():

@@ -319,8 +319,9 @@ def to_hf(
     ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json``, keyed
     by the model's own names. Tied weights are written once, as ``save_pretrained`` does
     (HF re-ties them on load; no storage is shared in the files). Tensors stream through
-    one reused buffer; called on every rank of a process group, each rank writes every
-    ``world``-th file and rank 0 the index, so no rank holds the whole model.
+    one reused buffer. In a process group it is collective: every rank must call it (each
+    writes every ``world``-th file and rank 0 the index, so no rank holds the whole
+    model); called on one rank alone it waits for the others until the group's timeout.
 
     Args:
         checkpoint_id: the shardkit checkpoint (path or fsspec URL).

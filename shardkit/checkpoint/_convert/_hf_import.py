@@ -171,6 +171,19 @@ def _keys(path: str) -> list[str]:
         return list(f.keys())
 
 
+def _missing_hint(missing: list[str], files_keys) -> str:
+    """A sentence for mixture-of-experts weights stored per expert, else ''."""
+    per_expert = any(".experts.0." in k for k in files_keys)
+    if not per_expert or not any("experts" in k for k in missing):
+        return ""
+    return (
+        "the files store the experts one by one (experts.0. ..., the Hub's layout), which "
+        "transformers converts to this model's stacked experts as it loads; load_hf copies "
+        "tensors by name and does not. Load such a checkpoint with from_pretrained into the "
+        "plain model before wrapping it; "
+    )
+
+
 def _box_of(value: Any, key: str) -> tuple[tuple[slice, ...], torch.Tensor]:
     """The slices this rank holds of ``value`` and the live tensor to copy them into."""
     if isinstance(value, ShardedTensor):
@@ -234,16 +247,21 @@ def load_hf(
             pending.setdefault(wmap[hf_key], []).append((hf_key, slices, live))
         else:
             kept.append(key)
-    missing = []
+    missing, filled_aliases = [], set()
     for key in kept:
         aliases = tied.get(key, ())
-        if key in buffers or any(a[len(prefix) :] in wmap for a in aliases if a.startswith(prefix)):
-            continue  # a buffer, or a tied alias filled through the key the files hold
+        if any(a[len(prefix) :] in wmap for a in aliases if a.startswith(prefix)):
+            filled_aliases.add(key)  # a tied alias, filled through the key the files hold
+            continue
+        if key in buffers:
+            continue
         missing.append(key)
+    kept = [key for key in kept if key not in filled_aliases]
     if missing and strict:
         raise KeyError(
             f"the HF checkpoint {os.fspath(path)!r} lacks {len(missing)} parameter(s) of the "
-            f"model: {missing[:20]}; pass strict=False to keep their current values"
+            f"model: {missing[:20]}; {_missing_hint(missing, wmap)}pass strict=False to keep "
+            "their current values (they are then not loaded)"
         )
     handles = {name: _open(os.path.join(folder, name)) for name in pending}
     heads: dict[str, _Header] = {}
