@@ -66,6 +66,9 @@ class Flat:
     #: load only: meta tensors of the state dict, read into these CPU tensors instead,
     #: which replace them in their containers once the load succeeded (as torch's load)
     materialized: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
+    #: key -> each optimizer state dict in the state dict (an optimizer given as a
+    #: Stateful, or its ``state_dict()``): ``{"state": {index: ...}, "param_groups": [...]}``
+    optimizers: dict[str, dict] = field(default_factory=dict)
 
 
 def _dtensor_types():
@@ -143,6 +146,17 @@ def _has_tensor(value: Any) -> bool:
     return False
 
 
+def _is_optimizer_state(value: Any) -> bool:
+    """Whether ``value`` is a torch optimizer's ``state_dict()`` (states by index) or
+    ``get_optimizer_state_dict``'s (by parameter name)."""
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("state"), dict)
+        and isinstance(value.get("param_groups"), list)
+        and all(isinstance(i, (int, str)) for i in value["state"])
+    )
+
+
 def _named(value: Any) -> bool:
     """A named tuple (or another tuple subclass) of plain values: one value that needs
     pickle to come back as itself, not entries to walk."""
@@ -200,9 +214,13 @@ def flatten(
                     f"key {key!r}: {type(value).__name__}.state_dict() returned "
                     f"{type(inner).__name__}, expected a dict"
                 )
+            if _is_optimizer_state(inner):
+                flat.optimizers[key] = inner
             walk_container(inner, key)
             flat.statefuls.append((value, inner))
             return
+        if _is_optimizer_state(value):
+            flat.optimizers[key] = value
         if isinstance(value, (dict, list, tuple)) and (
             _has_tensor(value) or key in parents or not (is_json_value(value) or _named(value))
         ):

@@ -236,6 +236,28 @@ class _LoadJob:
     items: list[ReadItem]
 
 
+def _leave_fresh_optimizer_state(flat: Flat, metadata: Metadata) -> None:
+    """A parameter that had no optimizer state when the checkpoint was saved (it never
+    got a gradient: an unused pooler, an expert no token was routed to) gets none now.
+
+    An optimizer primed before the load (``prime_optimizer``, the manager's resume recipe)
+    holds state for every parameter; the checkpoint's lack of one parameter's entries
+    then means that parameter's state was fresh, not that the checkpoint is incomplete.
+    Applies only where the checkpoint holds that optimizer's state at all."""
+    parents = metadata.key_parents
+    for key, inner in flat.optimizers.items():
+        state = inner.get("state")
+        if not isinstance(state, dict) or f"{key}.state" not in parents:
+            continue
+        for index in [i for i in state if f"{key}.state.{i}" not in parents]:
+            del state[index]
+            prefix = f"{key}.state.{index}."
+            for leaves in (flat.tensors, flat.slots, flat.values, flat.objects):
+                for name in [n for n in leaves if n.startswith(prefix)]:
+                    del leaves[name]
+            flat.absent = {n for n in flat.absent if not n.startswith(prefix)}
+
+
 def _plan_load(state_dict, reader, metadata, planner, strict) -> _LoadJob:
     """Everything checked before anything is read or changed."""
     planner = planner if planner is not None else DefaultLoadPlanner()
@@ -243,6 +265,7 @@ def _plan_load(state_dict, reader, metadata, planner, strict) -> _LoadJob:
         raise TypeError(f"planner must be a LoadPlanner, got {type(planner).__name__}")
     wait_for_staging()  # an async save may still be copying the tensors loaded into
     flat = flatten(state_dict, for_save=False, saved_parents=metadata.key_parents)
+    _leave_fresh_optimizer_state(flat, metadata)
     planner.set_up_planner(flat, metadata, strict=None if strict is None else bool(strict))
     plan = planner.create_local_plan()
     why = {}
