@@ -111,6 +111,8 @@ def reduce_scatter(
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous().reshape(-1)
+    if t.numel() <= 1 and t.stride() != (1,):  # torch calls a 0/1-element view of any
+        t = t.clone(memory_format=torch.contiguous_format)  # stride contiguous
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     return t.view(torch.uint8)

@@ -107,6 +107,8 @@ def _plan(func, sts, out_spec, first, tensors=()) -> tuple[tuple, bool]:
             # zero; resolving ``P`` keeps ``r`` what it claims to be
             return (), False
         return partial, True
+    if base == "div" and "mode" in func._overloadname:
+        return (), False  # floor / trunc division rounds each rank's part: not linear
     if base in _MUL and len(holders) == 1 and (base == "mul" or holders[0] is first):
         if _scales_only(holders[0], tensors):
             return partial, False
@@ -335,6 +337,11 @@ def _copy(func, args, kwargs):
     if dst._placement.partial:
         dst._local_tensor = dst._local_tensor.clone()
     dst._placement = placement
+    if isinstance(src, torch.Tensor) and tuple(src.shape) != tuple(dst.shape):
+        # a source that broadcasts: line its dims up with dst's before cutting dst's box
+        if is_st(src):
+            src = local_under(src, Placement.replicated(src._placement.mesh, src.ndim))
+        src = src.expand(dst.shape)
     value = local_under(src, placement) if isinstance(src, torch.Tensor) else src
     func(dst._local_tensor, value, *args[2:], **kwargs)
     return dst

@@ -55,10 +55,14 @@ def _reduce(st, dims, keepdim, op: str, local_fn, identity=None):
 
 
 def _lowest(dtype):
+    if dtype == torch.bool:
+        return False
     return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
 def _highest(dtype):
+    if dtype == torch.bool:
+        return True
     return math.inf if dtype.is_floating_point else torch.iinfo(dtype).max
 
 

@@ -448,3 +448,25 @@ for _op in (
     FAST_HANDLERS[_op] = _layout_only_fast
 for _op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
     FAST_HANDLERS[_op] = _view_fast
+
+
+_INPLACE_VIEWS = {
+    aten.squeeze_.default: (_squeeze, aten.squeeze.default),
+    aten.squeeze_.dim: (_squeeze, aten.squeeze.dim),
+    aten.squeeze_.dims: (_squeeze, aten.squeeze.dims),
+    aten.unsqueeze_.default: (_unsqueeze, aten.unsqueeze.default),
+}
+
+
+@register_rule(*_INPLACE_VIEWS)
+def _inplace_view(func, args, kwargs):
+    """``squeeze_`` / ``unsqueeze_``: torch's own ``matmul`` of a 1-D operand ends in
+    ``squeeze_(0)`` on its result. The tensor takes the out-of-place result's layout,
+    and its wrapper's sizes follow (as DTensor does)."""
+    from torch.utils._python_dispatch import return_and_correct_aliasing
+
+    rule, plain = _INPLACE_VIEWS[func]
+    st = args[0]
+    out = rule(plain, args, kwargs)
+    st._local_tensor, st._placement = out._local_tensor, out._placement
+    return return_and_correct_aliasing(func, args, kwargs, st)

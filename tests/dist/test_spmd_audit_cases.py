@@ -1,0 +1,71 @@
+"""ShardedTensor ops found wrong by a side-by-side audit against plain torch (2026-11-28).
+
+- floor / trunc division of a pending sum rounded each rank's part (silently wrong);
+- ``copy_`` from a source that broadcasts cut the source with the destination's spec
+  (silently wrong);
+- a gather of a 0/1-element shard whose view is not laid out contiguously (``x[:, 2]``
+  with one row on a rank) died on that rank and hung the others;
+- ``amax`` of a bool tensor with an empty shard died on that rank and hung the others;
+- ``vector @ matrix``, ``F.linear`` of a 1-D input: torch's matmul ends in ``squeeze_``,
+  which was refused.
+
+The reference is the same op on the full plain tensors.
+"""
+
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cases():
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import shardkit.runtime as xr
+    import shardkit.spmd as xs
+
+    n = xr.world_size()
+    mesh = xs.Mesh(np.arange(n), (n,), ("x",))
+
+    def shard(t, spec):
+        return xs.mark_sharding(t.clone(), mesh, spec)
+
+    x = torch.tensor([[1.0, 1.0], [1.0, 2.0]])
+    xi = x.long()
+    w3 = torch.arange(9.0).reshape(3, 3)
+    v, m = torch.arange(3.0), torch.arange(6.0).reshape(3, 2)
+    results = {}
+
+    def check(name, got, want):
+        got = got.full_tensor() if isinstance(got, xs.ShardedTensor) else got
+        results[name] = bool(torch.equal(got, want))
+
+    for mode in ("floor", "trunc"):
+        check(f"div_{mode}", torch.div(shard(x, ("x", None)).sum(0), 2, rounding_mode=mode),
+              torch.div(x.sum(0), 2, rounding_mode=mode))  # fmt: skip
+        check(f"div_{mode}_int", torch.div(shard(xi, ("x", None)).sum(0), 2, rounding_mode=mode),
+              torch.div(xi.sum(0), 2, rounding_mode=mode))  # fmt: skip
+    src = torch.tensor([10.0, 20.0])
+    for name, source in (("plain", src), ("sharded", shard(src, (None,)))):
+        dst = shard(torch.zeros(2, 2), ("x", None))
+        dst.copy_(source)
+        check(f"copy_broadcast_{name}", dst, torch.zeros(2, 2).copy_(src))
+    check("narrow_view_gather", shard(w3, ("x", None))[:, 2], w3[:, 2])
+    mask = torch.tensor([[True, False, True]])  # one row: an empty shard
+    check("bool_amax_empty_shard", shard(mask, ("x", None)).amax(0), mask.amax(0))
+    check("bool_amin_empty_shard", shard(mask, ("x", None)).amin(0), mask.amin(0))
+    for spec in ((None,), ("x",)):
+        check(f"vec_at_mat_{spec}", shard(v, spec) @ m, v @ m)
+    check("mat_sharded_vec_in", torch.matmul(v, shard(m, (None, "x"))), v @ m)
+    check("linear_1d", F.linear(shard(v, (None,)), shard(m.t(), ("x", None))), F.linear(v, m.t()))
+    sq = shard(torch.ones(1, 4), (None, "x"))
+    sq.squeeze_(0)
+    results["squeeze_"] = tuple(sq.shape) == (4,) and sq.partition_spec == ("x",)
+    return results
+
+
+def test_audit_cases_match_plain_torch():
+    for res in run_ranks(_cases, 2):
+        assert res and all(res.values()), {k: v for k, v in res.items() if not v}
