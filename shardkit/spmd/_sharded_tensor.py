@@ -89,9 +89,13 @@ def _global_strides(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...
 
     Autograd formulas pick their kernels from the strides they see (mm backward, for
     example, keeps a transposed weight's gradient transposed); reporting the local
-    layout keeps those choices the ones single-device torch makes.
+    layout keeps those choices the ones single-device torch makes. The order comes from
+    the raw strides, not ``is_contiguous()``, which ignores dims of size 0 or 1: a rank
+    whose uneven shard has one row must report the same order as the others, or
+    autograd takes another path there (``AccumulateGrad`` copying instead of stealing
+    the gradient) and the ranks call different collectives.
     """
-    if local.ndim != len(shape) or local.is_contiguous():
+    if local.ndim != len(shape):
         return _contiguous_strides(tuple(shape))
     order = sorted(range(local.ndim), key=lambda d: local.stride(d), reverse=True)
     strides, acc = [0] * local.ndim, 1
@@ -122,6 +126,7 @@ class ShardedTensor(torch.Tensor):
         global_shape: Sequence[int],
         *,
         requires_grad: bool = False,
+        strides: Sequence[int] | None = None,
     ) -> ShardedTensor:
         # rules pass torch.Size or tuples of ints; anything else (SymInts, numpy ints) is
         # converted
@@ -133,7 +138,7 @@ class ShardedTensor(torch.Tensor):
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             shape,
-            strides=_global_strides(local, shape),
+            strides=_global_strides(local, shape) if strides is None else strides,
             dtype=local.dtype,
             device=local.device,
             requires_grad=requires_grad,

@@ -7,7 +7,11 @@
   with one row on a rank) died on that rank and hung the others;
 - ``amax`` of a bool tensor with an empty shard died on that rank and hung the others;
 - ``vector @ matrix``, ``F.linear`` of a 1-D input: torch's matmul ends in ``squeeze_``,
-  which was refused.
+  which was refused;
+- the backward of ``F.linear`` with a weight split unevenly over its columns (3 over 2
+  ranks) aborted with a collective mismatch: a transposed view's strides were read off
+  each rank's shard, where a one-column shard loses their order, so autograd took
+  another path on that rank.
 
 The reference is the same op on the full plain tensors.
 """
@@ -60,6 +64,18 @@ def _cases():
         check(f"vec_at_mat_{spec}", shard(v, spec) @ m, v @ m)
     check("mat_sharded_vec_in", torch.matmul(v, shard(m, (None, "x"))), v @ m)
     check("linear_1d", F.linear(shard(v, (None,)), shard(m.t(), ("x", None))), F.linear(v, m.t()))
+    g = torch.Generator().manual_seed(0)
+    xs_, ws_, bs_ = torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g), torch.randn(4)
+    leaves = [shard(xs_, ("x", None)), shard(ws_, (None, "x")), shard(bs_, (None,))]
+    leaves = [t.requires_grad_() for t in leaves]
+    plain = [t.clone().requires_grad_() for t in (xs_, ws_, bs_)]
+    weight = torch.randn(5, 4, generator=g)
+    (F.linear(*leaves).full_tensor() * weight).sum().backward()
+    (F.linear(*plain) * weight).sum().backward()
+    for name, got, want in zip(("x", "w", "b"), leaves, plain):
+        results[f"linear_uneven_grad_{name}"] = bool(
+            torch.allclose(got.grad.full_tensor(), want.grad, atol=1e-5)
+        )
     sq = shard(torch.ones(1, 4), (None, "x"))
     sq.squeeze_(0)
     results["squeeze_"] = tuple(sq.shape) == (4,) and sq.partition_spec == ("x",)

@@ -113,8 +113,15 @@ def plain_local(x, placement: Placement) -> torch.Tensor:
     return x
 
 
-def wrap(local: torch.Tensor, placement: Placement, shape: Sequence[int]) -> ShardedTensor:
-    return ShardedTensor(local, placement, shape)
+def wrap(
+    local: torch.Tensor,
+    placement: Placement,
+    shape: Sequence[int],
+    strides: Sequence[int] | None = None,
+) -> ShardedTensor:
+    """``strides``: the global strides to report (a view's, from its input's), else
+    derived from the local tensor's layout."""
+    return ShardedTensor(local, placement, shape, strides=strides)
 
 
 def _element_size(x) -> int:

@@ -180,7 +180,7 @@ def _permute(func, args, kwargs):
     st = args[0]
     order = [norm_dim(d, st.ndim) for d in args[1]]
     out, shape = _permuted(func, st, order)
-    return wrap(st._local_tensor.permute(order), out, shape)
+    return wrap(st._local_tensor.permute(order), out, shape, _permuted_strides(st, order))
 
 
 @register_rule(aten.transpose.int, aten.t.default)
@@ -192,7 +192,15 @@ def _transpose(func, args, kwargs):
         d0, d1 = norm_dim(d0, st.ndim), norm_dim(d1, st.ndim)
         order[d0], order[d1] = order[d1], order[d0]
     out, shape = _permuted(func, st, order)
-    return wrap(st._local_tensor.permute(order), out, shape)
+    return wrap(st._local_tensor.permute(order), out, shape, _permuted_strides(st, order))
+
+
+def _permuted_strides(st, order) -> tuple[int, ...]:
+    """A permuted view's global strides are its input's, permuted (as torch's): read off
+    a shard they would differ between ranks whose shards have one row (where stride
+    order is lost), and autograd would pick other kernels and collectives there."""
+    strides = st.stride()
+    return tuple(strides[d] for d in order)
 
 
 @register_rule(aten.unsqueeze.default)
@@ -410,11 +418,29 @@ def _layout_only_fast(func, args, kwargs):
     key = (func, st._placement, st.shape, rest)
     hit = _MEMO.get(key)
     if hit is not None:
-        return ShardedTensor(func(st._local_tensor, *args[1:]), hit[0], hit[1])
+        return ShardedTensor(
+            func(st._local_tensor, *args[1:]), hit[0], hit[1], strides=_fast_strides(func, st, rest)
+        )
     out = _dispatch_rules(func, args, kwargs)
     if type(out) is ShardedTensor:
         _MEMO.put(key, (out._placement, out.shape))
     return out
+
+
+def _fast_strides(func, st, rest) -> tuple[int, ...] | None:
+    """The global strides of a memoized layout-only view (None: from the local tensor)."""
+    if func is aten.t.default or func is aten.transpose.int:
+        order = list(range(st.ndim))
+        if st.ndim >= 2:
+            d0, d1 = (rest[0], rest[1]) if func is aten.transpose.int else (0, 1)
+            d0, d1 = norm_dim(d0, st.ndim), norm_dim(d1, st.ndim)
+            order[d0], order[d1] = order[d1], order[d0]
+        return _permuted_strides(st, order)
+    if func is aten.permute.default:
+        return _permuted_strides(st, [norm_dim(d, st.ndim) for d in rest[0]])
+    if func is aten.detach.default or func is aten.alias.default:
+        return st.stride()
+    return None
 
 
 def _view_fast(func, args, kwargs):
