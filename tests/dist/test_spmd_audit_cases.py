@@ -76,6 +76,29 @@ def _cases():
         results[f"linear_uneven_grad_{name}"] = bool(
             torch.allclose(got.grad.full_tensor(), want.grad, atol=1e-5)
         )
+    table, logits = torch.randn(7, 4), torch.randn(5, 3)
+
+    def raised(fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the class is what is compared
+            return type(exc).__name__
+        return None
+
+    for name, fn, ref in (
+        ("embedding_oor", lambda: F.embedding(torch.tensor([1, 7]), shard(table, ("x", None))),
+         lambda: F.embedding(torch.tensor([1, 7]), table)),
+        ("embedding_negative", lambda: F.embedding(torch.tensor([-1]), shard(table, ("x", None))),
+         lambda: F.embedding(torch.tensor([-1]), table)),
+        ("target_oor", lambda: F.cross_entropy(shard(logits, (None, "x")), torch.tensor([0, 3, 1, 1, 1])),
+         lambda: F.cross_entropy(logits, torch.tensor([0, 3, 1, 1, 1]))),
+        ("view_bad_size", lambda: shard(torch.arange(15.0), ("x",)).view(4, 4),
+         lambda: torch.arange(15.0).view(4, 4)),
+        ("reshape_bad_size", lambda: shard(torch.arange(15.0), ("x",)).reshape(7, -1),
+         lambda: torch.arange(15.0).reshape(7, -1)),
+    ):  # fmt: skip
+        got, want = raised(fn), raised(ref)
+        results[name] = got == want and want is not None
     sq = shard(torch.ones(1, 4), (None, "x"))
     sq.squeeze_(0)
     results["squeeze_"] = tuple(sq.shape) == (4,) and sq.partition_spec == ("x",)

@@ -152,6 +152,20 @@ def _layer_norm_backward(func, args, kwargs):
     )
 
 
+def _check_indices(indices: torch.Tensor, bound: int, message: str) -> None:
+    """Raise as torch does for an index outside ``[0, bound)``: a table or class dim split
+    over ranks would otherwise read zero for it on every rank, silently. On the CPU the
+    check is torch's ``IndexError``; elsewhere an asynchronous assert (no host sync)."""
+    if not indices.numel():
+        return
+    if indices.device.type == "cpu":
+        low, high = int(indices.min()), int(indices.max())
+        if low < 0 or high >= bound:
+            raise IndexError(message.format(value=low if low < 0 else high))
+    else:
+        torch._assert_async(((indices >= 0) & (indices < bound)).all(), message)
+
+
 # -- embedding --------------------------------------------------------------------------
 @register_rule(aten.embedding.default)
 def _embedding(func, args, kwargs):
@@ -171,6 +185,7 @@ def _embedding(func, args, kwargs):
         return wrap(local, Placement(mesh, i_spec + (dim_axes,)), out_shape)
     # vocabulary-parallel: each rank looks up the rows it owns; the rest read zero and the
     # result is a sum pending over the vocabulary axes
+    _check_indices(local_i, weight.shape[0], "index out of range in self")
     lo, size = w_req.box(weight.shape).offsets[0], local_w.shape[0]
     outside = (local_i < lo) | (local_i >= lo + size)
     shifted = (local_i - lo).clamp(0, max(size - 1, 0))
@@ -241,8 +256,9 @@ def _class_sharded_pick(x, target, weight, ignore_index, batch_axes, class_axes)
     t_req = Placement(mesh, (batch_axes,))
     lx, lt = local_under(x, x_req), local_under(target, t_req)
     lw = _replicated(weight, mesh)
-    lo, size = x_req.box(x.shape).offsets[1], lx.shape[1]
     valid = lt != ignore_index
+    _check_indices(torch.where(valid, lt, 0), x.shape[1], "Target {value} is out of bounds.")
+    lo, size = x_req.box(x.shape).offsets[1], lx.shape[1]
     mine = valid & (lt >= lo) & (lt < lo + size)
     idx = (lt - lo).clamp(0, max(size - 1, 0))
     if lw is None:

@@ -123,11 +123,19 @@ def view_plan(in_shape: tuple, spec: tuple, out_shape: tuple, mesh_shape: tuple)
 
 
 def _infer_shape(size, numel) -> tuple:
-    size = [int(s) for s in size]
-    if -1 in size:
-        known = math.prod(s for s in size if s != -1)
-        size[size.index(-1)] = numel // known if known else 0
-    return tuple(size)
+    """``size`` with its ``-1`` filled in; torch's ``RuntimeError`` when it cannot hold
+    ``numel`` elements."""
+    given = [int(s) for s in size]
+    if given.count(-1) > 1:
+        raise RuntimeError("only one dimension can be inferred")
+    shape = list(given)
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        if known and numel % known == 0:
+            shape[shape.index(-1)] = numel // known
+    if -1 in shape or any(s < 0 for s in shape) or math.prod(shape) != numel:
+        raise RuntimeError(f"shape '{given}' is invalid for input of size {numel}")
+    return tuple(shape)
 
 
 @register_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
