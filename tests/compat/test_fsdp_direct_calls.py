@@ -12,6 +12,7 @@ import functools
 
 import pytest
 import torch
+from fsdp_models import Stack, TanhBlock, wrap_fsdp
 from harness import run_ranks
 from torch import nn
 
@@ -19,36 +20,11 @@ pytestmark = pytest.mark.timeout(180)
 WORLD = 2
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(6, 6)
-
-    def forward(self, x):
-        return x + torch.tanh(self.up(x))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.proj = nn.Linear(6, 3)  # 3 rows over 2 ranks: uneven
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.proj(x)
+Block, Net = TanhBlock, Stack
 
 
 def _wrap(model, nested):
-    from shardkit.fsdp import FSDP
-    from shardkit.fsdp.wrap import transformer_auto_wrap_policy
-
-    if not nested:
-        return FSDP(model)
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-    return FSDP(model, auto_wrap_policy=policy)
+    return wrap_fsdp(model, nested)
 
 
 def _batch(step):

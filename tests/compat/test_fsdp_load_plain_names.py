@@ -11,6 +11,7 @@ import functools
 
 import pytest
 import torch
+from fsdp_models import Stack, wrap_fsdp
 from harness import run_ranks
 from torch import nn
 
@@ -27,22 +28,10 @@ class Block(nn.Module):
         return x + torch.tanh(self.norm(self.up(x)))
 
 
-class Net(nn.Module):
-    def __init__(self, seed):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.proj = nn.Linear(6, 3)  # 3 rows over 2 ranks: uneven
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.proj(x)
+Net = functools.partial(Stack, Block)
 
 
 def _body(nested: bool, strict: bool):
-    from shardkit.fsdp import FSDP
-    from shardkit.fsdp.wrap import transformer_auto_wrap_policy
 
     source = Net(seed=1)
     with torch.no_grad():
@@ -50,8 +39,7 @@ def _body(nested: bool, strict: bool):
             block.norm.running_mean.uniform_()
             block.norm.num_batches_tracked.fill_(7)
     plain = {k: v.clone() for k, v in source.state_dict().items()}
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-    model = FSDP(Net(seed=0), auto_wrap_policy=policy) if nested else FSDP(Net(seed=0))
+    model = wrap_fsdp(Net(seed=0), nested, Block)
     result = model.load_state_dict(plain, strict=strict)
     model.eval()
     source.eval()

@@ -14,6 +14,7 @@ import functools
 
 import pytest
 import torch
+from fsdp_models import TanhBlock, wrap_fsdp
 from harness import run_ranks
 from torch import nn
 
@@ -21,13 +22,7 @@ pytestmark = pytest.mark.timeout(180)
 WORLD = 2
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(6, 6)
-
-    def forward(self, x):
-        return x + torch.tanh(self.up(x))
+Block = TanhBlock
 
 
 class TiedLM(nn.Module):
@@ -46,13 +41,7 @@ class TiedLM(nn.Module):
 
 
 def _wrap(model, nested):
-    from shardkit.fsdp import FSDP
-    from shardkit.fsdp.wrap import transformer_auto_wrap_policy
-
-    if not nested:
-        return FSDP(model)
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-    return FSDP(model, auto_wrap_policy=policy)
+    return wrap_fsdp(model, nested)
 
 
 def _submodule_body():
@@ -137,15 +126,7 @@ def _meta_body():
 
 
 def _wrap_meta(net, nested):
-    from shardkit.fsdp import FSDP
-    from shardkit.fsdp.wrap import transformer_auto_wrap_policy
-
-    policy = (
-        functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-        if nested
-        else None
-    )
-    return FSDP(net, auto_wrap_policy=policy, param_init_fn=_init)
+    return wrap_fsdp(net, nested, param_init_fn=_init)
 
 
 def _full_output(model, ids):
