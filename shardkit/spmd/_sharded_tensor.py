@@ -511,6 +511,20 @@ def keep_grad_placement(param: ShardedTensor) -> None:
             local = redistribute_local(grad._local_tensor, grad.shape, grad._placement, target)
             p.grad = ShardedTensor(local, target, grad.shape)
 
+    strides = param.stride()
+
+    def same_strides(grad: torch.Tensor) -> torch.Tensor:
+        # AccumulateGrad keeps a gradient whose strides are the parameter's and copies
+        # any other (into the gradient's own layout, resolving a pending sum on the
+        # way). A gradient's global strides follow each rank's local layout, which
+        # uneven shards can make differ between ranks: then one rank would copy
+        # (all-reduce) while another keeps it (reduce-scatter below), a collective
+        # mismatch. The layout lives in the local tensor; report the parameter's.
+        if isinstance(grad, ShardedTensor) and grad.stride() != strides:
+            return ShardedTensor(grad._local_tensor, grad._placement, grad.shape, strides=strides)
+        return grad
+
+    param.register_hook(same_strides)
     param.register_post_accumulate_grad_hook(hook)
 
 
