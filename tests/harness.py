@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -91,9 +92,13 @@ def _rank_main(fn, rank, world_size, port, env, args, kwargs, conn):
 
             xr.init(backend="gloo")
         result = fn(*args, **kwargs)
-        conn.send(("ok", result))
+        # plain pickle, not the connection's: torch sends a tensor through a connection as
+        # a shared-memory file descriptor, which is gone if this rank exits before the
+        # parent reads it (a FileNotFoundError in the parent, on a busy machine)
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException as exc:  # report everything, including SystemExit
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        report = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        conn.send_bytes(pickle.dumps(report))
     finally:
         try:
             import torch.distributed as dist
@@ -147,7 +152,7 @@ def run_ranks(
             conn = conns[rank]
             if conn.poll(0.02):
                 try:
-                    status, payload = conn.recv()
+                    status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     status, payload = "error", f"died (exit code {procs[rank].exitcode})"
                 pending.discard(rank)
