@@ -300,7 +300,7 @@ class FullyShardedDataParallel(nn.Module):
         for p, t, last in zip(self._state.params, tensors, before):
             for mod, name in p.owners:
                 current = mod._parameters.get(name)
-                if current is not last and current is not p.shard and current is not p.full:
+                if current is not last and current is not p.shard:
                     replaced_after_wrapping(p, mod, name)
                 mod._parameters[name] = t
         self.__dict__["_installed"] = tensors  # what a later install expects to find

@@ -15,7 +15,7 @@ from torch.nn import Parameter
 
 from ...spmd import ShardedTensor
 from ...spmd.layout import Box, chunk_bounds
-from ._format import is_json_value
+from ._format import is_json_value, is_named_tuple
 
 __all__ = ["Stateful"]
 
@@ -157,12 +157,6 @@ def _is_optimizer_state(value: Any) -> bool:
     )
 
 
-def _named(value: Any) -> bool:
-    """A named tuple (or another tuple subclass) of plain values: one value that needs
-    pickle to come back as itself, not entries to walk."""
-    return isinstance(value, tuple) and type(value) not in (tuple, torch.Size)
-
-
 def flatten(
     state_dict: dict, *, for_save: bool, saved_parents: Container[str] = frozenset()
 ) -> Flat:
@@ -222,7 +216,9 @@ def flatten(
         if _is_optimizer_state(value):
             flat.optimizers[key] = value
         if isinstance(value, (dict, list, tuple)) and (
-            _has_tensor(value) or key in parents or not (is_json_value(value) or _named(value))
+            _has_tensor(value)
+            or key in parents
+            or not (is_json_value(value) or is_named_tuple(value))
         ):
             walk_container(value, key)
             return

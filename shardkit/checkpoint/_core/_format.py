@@ -119,6 +119,12 @@ def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int], 
 _TAG = "__shardkit__"
 
 
+def is_named_tuple(value: Any) -> bool:
+    """A tuple subclass other than ``torch.Size`` (a named tuple): JSON would bring it
+    back a plain tuple, so it is a value that needs pickle, not entries to walk."""
+    return isinstance(value, tuple) and type(value) not in (tuple, torch.Size)
+
+
 def is_json_value(value: Any) -> bool:
     """Whether ``value`` round-trips through :func:`encode_value` without pickle.
 
@@ -130,7 +136,7 @@ def is_json_value(value: Any) -> bool:
         return False
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
-    if isinstance(value, tuple) and type(value) not in (tuple, torch.Size):
+    if is_named_tuple(value):
         return False
     if isinstance(value, (list, tuple)):
         return all(is_json_value(v) for v in value)

@@ -163,7 +163,10 @@ def _check_indices(indices: torch.Tensor, bound: int, message: str) -> None:
         if low < 0 or high >= bound:
             raise IndexError(message.format(value=low if low < 0 else high))
     else:
-        torch._assert_async(((indices >= 0) & (indices < bound)).all(), message)
+        # no value without a host sync: the message names none
+        torch._assert_async(
+            ((indices >= 0) & (indices < bound)).all(), message.replace(" {value}", "")
+        )
 
 
 # -- embedding --------------------------------------------------------------------------

@@ -194,13 +194,19 @@ def _permute(func, args, kwargs):
 @register_rule(aten.transpose.int, aten.t.default)
 def _transpose(func, args, kwargs):
     st = args[0]
-    order = list(range(st.ndim))
-    if st.ndim >= 2:
-        d0, d1 = (args[1], args[2]) if func is aten.transpose.int else (0, 1)
-        d0, d1 = norm_dim(d0, st.ndim), norm_dim(d1, st.ndim)
-        order[d0], order[d1] = order[d1], order[d0]
+    order = _transpose_order(func, st, args[1:])
     out, shape = _permuted(func, st, order)
     return wrap(st._local_tensor.permute(order), out, shape, _permuted_strides(st, order))
+
+
+def _transpose_order(func, st, dims) -> list[int]:
+    """The dim order ``t()`` / ``transpose(d0, d1)`` (``dims``) makes of ``st``'s dims."""
+    order = list(range(st.ndim))
+    if st.ndim >= 2:
+        d0, d1 = (dims[0], dims[1]) if func is aten.transpose.int else (0, 1)
+        d0, d1 = norm_dim(d0, st.ndim), norm_dim(d1, st.ndim)
+        order[d0], order[d1] = order[d1], order[d0]
+    return order
 
 
 def _permuted_strides(st, order) -> tuple[int, ...]:
@@ -438,12 +444,7 @@ def _layout_only_fast(func, args, kwargs):
 def _fast_strides(func, st, rest) -> tuple[int, ...] | None:
     """The global strides of a memoized layout-only view (None: from the local tensor)."""
     if func is aten.t.default or func is aten.transpose.int:
-        order = list(range(st.ndim))
-        if st.ndim >= 2:
-            d0, d1 = (rest[0], rest[1]) if func is aten.transpose.int else (0, 1)
-            d0, d1 = norm_dim(d0, st.ndim), norm_dim(d1, st.ndim)
-            order[d0], order[d1] = order[d1], order[d0]
-        return _permuted_strides(st, order)
+        return _permuted_strides(st, _transpose_order(func, st, rest))
     if func is aten.permute.default:
         return _permuted_strides(st, [norm_dim(d, st.ndim) for d in rest[0]])
     if func is aten.detach.default or func is aten.alias.default:
