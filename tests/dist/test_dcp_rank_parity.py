@@ -10,6 +10,7 @@ left the ranks in different states.
 from __future__ import annotations
 
 import os
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,37 @@ def test_values_only_one_rank_holds_are_saved_as_in_torch(tmp_path):
         assert r["shardkit"] == r["torch"] == {
             "r1_val": 5,
             "extra": {"a": 1, "per_rank": {"seed": 1234}},
+        }, r
+
+
+def _objects_body(tmp: str) -> dict:
+    rank = dist.get_rank()
+    out = {}
+    for name, lib, save_kw, load_kw in (
+        (
+            "shardkit",
+            dcp,
+            {"planner": dcp.DefaultSavePlanner(allow_pickle=True)},
+            {"planner": dcp.DefaultLoadPlanner(allow_pickle=True)},
+        ),
+        ("torch", tdcp, {}, {}),
+    ):
+        path = os.path.join(tmp, name)
+        state = {"t": torch.ones(2), f"r{rank}_obj": Fraction(rank + 1, 3)}
+        lib.save(state, checkpoint_id=path, **save_kw)
+        got = {"t": torch.zeros(2), "r0_obj": Fraction(0), "r1_obj": Fraction(0)}
+        lib.load(got, checkpoint_id=path, **load_kw)
+        out[name] = {k: v for k, v in got.items() if k != "t"}
+    return out
+
+
+def test_pickled_values_only_one_rank_holds_are_saved_as_in_torch(tmp_path):
+    # each rank's own pickled value, rank 1's included (it was dropped: only rank 0
+    # wrote pickles), and each rank reads both back
+    for r in run_ranks(_objects_body, 2, str(tmp_path)):
+        assert r["shardkit"] == r["torch"] == {
+            "r0_obj": Fraction(1, 3),
+            "r1_obj": Fraction(2, 3),
         }, r
 
 

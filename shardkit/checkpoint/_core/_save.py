@@ -119,6 +119,9 @@ class SaveJob:
     #: this rank holds plain values under keys rank 0 lacks (or under fewer keys): it
     #: sends them with the write agreement, so they are saved as torch saves them
     other_values: bool = False
+    #: keys of pickled values this rank writes: those no lower rank holds (the lowest
+    #: rank holding a value wins, as for plain values)
+    object_keys: list[str] = field(default_factory=list)
 
     @property
     def is_coordinator(self) -> bool:
@@ -175,6 +178,7 @@ def prepare(
         payload["value_keys"] = xxhash.xxh3_64_hexdigest(
             repr(sorted(_entries(flat.values))).encode()
         )
+        payload["object_keys"] = sorted(flat.objects)
         if comm.world_size > 1 and replicas == "before":
             payload["replicas"] = replica_digests(flat)
         if comm.rank == 0:
@@ -193,6 +197,9 @@ def prepare(
     job = SaveJob(save_id, comm.rank, comm.world_size, flat, planner, started=started)
     job.new_dir = bool(replies[0].get("new_dir"))
     job.other_values = replies[comm.rank]["value_keys"] != replies[0]["value_keys"]
+    if flat is not None:
+        lower = {k for r in replies[: comm.rank] for k in r["object_keys"]}
+        job.object_keys = [k for k in flat.objects if k not in lower]
     keepers = {k: {min(r for g in v for r in g)} for k, v in mismatched.items()}
     job.error = warn_mismatches(mismatched, keepers)
     job.file_cap = file_cap
@@ -333,8 +340,7 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
             payload["replicas"] = shadows.result()
         if job.is_coordinator or job.other_values:
             payload["values"] = {k: encode_value(v) for k, v in job.flat.values.items()}
-        if job.is_coordinator:
-            payload["objects"] = _write_objects(job, writer, sizes)
+        payload["objects"] = _write_objects(job, writer, sizes)
         if job.before_commit is not None:
             job.before_commit()
     except Exception as exc:
@@ -441,20 +447,26 @@ def _discard_uncommitted(
 
 def _remove_own_files(writer: StorageWriter, job: SaveJob) -> None:
     names = [name for name, _ in job.files]
-    if job.is_coordinator and job.flat is not None and job.flat.objects:
-        names.append(f"objects-{job.save_id}.bin")
+    if job.object_keys:
+        names.append(_objects_file(job))
     try:
         writer.remove_files(names)
     except Exception as exc:  # the save's own error is the one to report
         warnings.warn(f"could not remove the files of the failed save: {exc}", stacklevel=3)
 
 
+def _objects_file(job: SaveJob) -> str:
+    suffix = "" if job.is_coordinator else f"-rank{job.rank}"
+    return f"objects-{job.save_id}{suffix}.bin"
+
+
 def _write_objects(job: SaveJob, writer: StorageWriter, sizes: dict[str, int]) -> dict:
-    if not job.flat.objects:
+    """This rank's pickled values (``job.object_keys``) into one objects file of its own."""
+    if not job.object_keys:
         return {}
-    name, parts, out, pos = f"objects-{job.save_id}.bin", [], {}, 0
-    for key, value in job.flat.objects.items():
-        blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    name, parts, out, pos = _objects_file(job), [], {}, 0
+    for key in job.object_keys:
+        blob = pickle.dumps(job.flat.objects[key], protocol=pickle.HIGHEST_PROTOCOL)
         out[key] = {"offset": pos, "nbytes": len(blob), "xxh3_64": xxhash.xxh3_64_hexdigest(blob)}
         parts.append(memoryview(blob))
         pos += len(blob)
@@ -496,9 +508,10 @@ def _build_metadata(job: SaveJob, replies: list[dict]) -> Metadata:
     md.values = {k: decode_value(v) for k, v in coord.get("values", {}).items()}
     for reply in replies[1:]:  # entries rank 0 lacks: the lowest rank holding one wins
         _add_missing(md.values, {k: decode_value(v) for k, v in reply.get("values", {}).items()})
-    md.objects = {
+    md.objects = {  # each rank sent only keys no lower rank holds
         k: ObjectMeta(o["file"], o["offset"], o["nbytes"], o["xxh3_64"])
-        for k, o in coord.get("objects", {}).items()
+        for reply in replies
+        for k, o in reply.get("objects", {}).items()
     }
     return md
 
