@@ -20,7 +20,7 @@ from ._direct_call import install_direct_call_hooks
 from ._hf import guard_save_pretrained
 from ._meta import FSDPUsageError, materialize_meta, replaced_after_wrapping, uses_checkpointing
 from ._options import FSDPOptions, cast_floats
-from ._rows import describe_rows, install_optimizer_hooks, local_rows, row_entries
+from ._rows import describe_rows, install_optimizer_hooks, row_entries, split_rows
 from ._state import (
     clip_grad_norm,
     load_sharded_state_dict,
@@ -29,6 +29,7 @@ from ._state import (
     sharded_state_dict,
     with_wrapper_names,
 )
+from ._torch_only import TORCH_FSDP_ONLY
 from ._unit import UnitState
 from ._wrap import auto_wrap
 from ._xla_knobs import check_xla_knobs
@@ -180,6 +181,7 @@ class FullyShardedDataParallel(nn.Module):
         self._full_installed = False  # the wrapped module holds full parameters now
         self._direct_call = None  # the module whose direct call gathered the parameters
         install_direct_call_hooks(self)
+        self.register_load_state_dict_post_hook(self._drop_refused_keys)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -187,7 +189,13 @@ class FullyShardedDataParallel(nn.Module):
         except AttributeError:
             if name == "module":
                 raise
-            return getattr(self._modules["module"], name)
+            module = self._modules["module"]
+            if name in TORCH_FSDP_ONLY and not hasattr(module, name):
+                raise AttributeError(
+                    f"shardkit's FSDP has no {name}() (torch FSDP's): {TORCH_FSDP_ONLY[name]}; "
+                    "see docs/migrating.md"
+                ) from None
+            return getattr(module, name)
 
     def __getitem__(self, key: int) -> Any:
         """Index the wrapped module (a wrapped ``nn.Sequential``), as torch_xla's FSDP."""
@@ -261,9 +269,13 @@ class FullyShardedDataParallel(nn.Module):
             _check_not_meta(self)
             self._meta_checked = True
         self._recording = not self._order
+        # a forward without autograd (targets or a teacher computed with this model
+        # between a forward and its backward) leaves that backward's bookkeeping alone
+        new_iteration = torch.is_grad_enabled()
         for unit in self._units:
-            unit._uses = 0
-            unit._fulls = None
+            if new_iteration:
+                unit._uses = 0
+                unit._fulls = None
             unit._direct_call = None
             unit._restore_shards()
             unit._state.free()
@@ -394,6 +406,23 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             self._sync_grads = previous
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        """FSDP2's switch for gradient accumulation: ``False`` acts as inside
+        :meth:`no_sync` until it is set back to ``True``.
+
+        Args:
+            requires_gradient_sync: reduce-scatter gradients in backward (the default).
+            recurse: accepted for FSDP2's signature; the switch covers the whole model.
+        """
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(
+                f"requires_gradient_sync must be a bool, got {requires_gradient_sync!r}"
+            )
+        self._lazy_init()
+        if not self._is_root:
+            raise FSDPUsageError("call set_requires_gradient_sync() on the outermost FSDP module")
+        self._sync_grads = requires_gradient_sync
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every shard by the global norm over all ranks; return it."""
         return clip_grad_norm(self, max_norm, norm_type)
@@ -427,12 +456,22 @@ class FullyShardedDataParallel(nn.Module):
             state_dict = with_wrapper_names(self, state_dict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
         if not self._nested:
-            for key, layout in row_entries(self, prefix):
-                if key in state_dict:
-                    state_dict[key] = local_rows(state_dict[key], layout, self.rank)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            bad = split_rows(state_dict, row_entries(self, prefix), self.rank)
+            errors.extend(bad.values())
+            self.__dict__["_refused_keys"] = set(bad)  # not missing: see _drop_refused_keys
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+
+    @staticmethod
+    def _drop_refused_keys(unit, incompatible) -> None:
+        """Load post-hook: a key refused for its size was given, so it is not missing."""
+        refused = unit.__dict__.pop("_refused_keys", set())
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in refused]
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)

@@ -26,6 +26,7 @@ __all__ = [
     "row_entries",
     "describe_rows",
     "local_rows",
+    "split_rows",
     "install_optimizer_hooks",
 ]
 
@@ -95,6 +96,45 @@ def local_rows(value: Any, layout, rank: int) -> Any:
     if tuple(value.shape) == shape and tuple(layout.local_shape(rank)) != shape:
         return layout.shard_of(value, rank)  # a full tensor: take this rank's rows
     return value
+
+
+def _kind(value: Any, layout, rank: int) -> str:
+    """What ``value`` is for a sharded parameter: "full" (its global shape only),
+    "local" (this rank's rows only), "either" (both shapes agree) or "bad" (neither)."""
+    if not isinstance(value, torch.Tensor):
+        return "either"  # nn.Module's own check reports it
+    shape, local = tuple(layout.shape), tuple(layout.local_shape(rank))
+    given = tuple(value.shape)
+    if isinstance(value, ShardedTensor):
+        return "full" if given == shape else "bad"
+    if given == shape:
+        return "either" if given == local else "full"
+    return "local" if given == local else "bad"
+
+
+def split_rows(state_dict: dict, entries: list[tuple[str, Any]], rank: int) -> dict[str, str]:
+    """Replace each sharded entry of ``state_dict`` by this rank's rows, in place.
+
+    Returns torch's size-mismatch message for each entry that fits neither the parameter
+    nor this rank's rows, and removes it. A state dict holding any full tensor holds only
+    full tensors: an entry there that only fits this rank's rows is a full tensor of
+    another size (a head for another ``num_labels``), not rows, and is refused on every
+    rank, though on this rank its size happens to equal its rows'.
+    """
+    present = [(key, layout) for key, layout in entries if key in state_dict]
+    kinds = {key: _kind(state_dict[key], layout, rank) for key, layout in present}
+    holds_full = "full" in kinds.values()
+    bad = {}
+    for key, layout in present:
+        if kinds[key] == "bad" or (kinds[key] == "local" and holds_full):
+            given = state_dict.pop(key).shape
+            bad[key] = (
+                f"size mismatch for {key}: copying a param with shape {given} from "
+                f"checkpoint, the shape in current model is {torch.Size(layout.shape)}."
+            )
+        else:
+            state_dict[key] = local_rows(state_dict[key], layout, rank)
+    return bad
 
 
 def row_entries(root, prefix: str) -> list[tuple[str, Any]]:
@@ -186,6 +226,22 @@ def _step_pre_hook(optim, args, kwargs) -> None:
         optim.register_state_dict_post_hook(_state_post_hook)
         optim.register_load_state_dict_pre_hook(_load_pre_hook)
         optim._shardkit_fsdp_hooked = True
+        _take_rows_of_loaded_state(optim)
+
+
+def _take_rows_of_loaded_state(optim) -> None:
+    """State loaded before the first step, without the load hook (build the optimizer,
+    ``load_state_dict`` a full one, step): each full tensor becomes this rank's rows."""
+    for param in _params(optim):
+        info, entry = _rows_info(param), optim.state.get(param)
+        if info is None or not entry:
+            continue
+        layout, rank, _world = info
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.ndim and tuple(v.shape) != tuple(param.shape):
+                rows = local_rows(v, layout, rank)
+                if rows is not v:
+                    entry[k] = rows.clone()  # not a view: the full tensor is freed
 
 
 def install_optimizer_hooks() -> None:

@@ -115,6 +115,7 @@ class UnitState:
             sum(p.layout.padded_numel for p in self.params),
         )
         self.accumulated: list[torch.Tensor | None] | None = None  # no_sync gradients
+        self._shown: list[tuple | None] = []  # (.grad, its version) each sum was shown as
         self._trainable_flags: tuple[bool, ...] | None = None
         self.refresh_trainable()
         dtypes = {p.shard.dtype for p in self.params}
@@ -220,15 +221,52 @@ class UnitState:
         if self.accumulated is not None:
             out = [
                 a if g is None else (g if a is None else a + g)
-                for g, a in zip(out, self.accumulated)
+                for g, a in zip(out, self._kept_accumulation())
             ]
             self.accumulated = None
         return out
 
     def accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Keep full gradients locally (inside ``no_sync``) for the next synced backward."""
+        """Keep full gradients locally (inside ``no_sync``) for the next synced backward.
+
+        Each shard's ``.grad`` shows this rank's rows of the unreduced sum, as DDP's
+        ``no_sync`` leaves the local sum in ``.grad``; so ``zero_grad()`` discards the
+        accumulation here too (see :meth:`_kept_accumulation`).
+        """
         full = self.full_grads(grads)
         self.accumulated = [None if g is None else g.to(self.reduce_dtype, copy=True) for g in full]
+        self._shown = []
+        for p, acc in zip(self.trainable, self.accumulated):
+            if acc is None:
+                self._shown.append(None)
+                continue
+            rows = p.layout.shard_of(acc, self.rank)
+            p.shard.grad = rows if rows.dtype == p.shard.dtype else rows.to(p.shard.dtype)
+            self._shown.append((p.shard.grad, p.shard.grad._version))
+
+    def _kept_accumulation(self) -> list[torch.Tensor | None]:
+        """The no_sync sums still wanted: one whose ``.grad`` was set to None or zeroed
+        (``zero_grad()``, a skipped micro-batch) is dropped, as DDP drops it; the shown
+        ``.grad`` makes way for the synced gradient."""
+        kept = []
+        for p, acc, shown in zip(self.trainable, self.accumulated, self._shown):
+            if acc is None:
+                kept.append(None)
+                continue
+            grad, version = shown
+            current = p.shard.grad
+            if current is not None and (current is not grad or current._version != version):
+                if current is not grad or current.any():
+                    raise FSDPUsageError(
+                        f"the .grad of FSDP parameter {p.fqns[0]!r} was replaced or changed "
+                        "in place after a no_sync() backward; FSDP keeps no_sync gradients "
+                        "unsharded until the synced backward, so only zero_grad() may touch "
+                        "them before it (scale the loss instead of the gradients)"
+                    )
+                current = None  # zeroed in place: zero_grad(set_to_none=False)
+            p.shard.grad = None
+            kept.append(None if current is None else acc)
+        return kept
 
     def reduce_grads(self, grads: Sequence[torch.Tensor | None]) -> _PendingReduce | None:
         """Start the averaged reduce-scatter of full gradients into the shards' ``.grad``."""
