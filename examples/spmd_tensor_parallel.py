@@ -103,7 +103,7 @@ def train(steps: int = 5, *, batch: int = 4, seq: int = 6, dim: int = 32) -> dic
         if step == 0:
             collectives = {f"{k}:{','.join(a)}": n for (k, a), n in fwd.calls.items()}
     param_err = max(
-        float((p.full_tensor() - r).abs().max())
+        float((p.full_tensor() - r).detach().abs().max())
         for p, r in zip(sharded.parameters(), reference.parameters())
     )
     return {

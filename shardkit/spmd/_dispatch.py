@@ -173,7 +173,12 @@ def _fast_kind(func) -> int:
             kind = 0
         else:
             rule = _RULES[func] if func in _RULES else _rule_for(func)
-            kind = 2 if rule in UNIFORM_RULES else 1
+            # an op tagged pointwise that returns a bool (aten.equal) compares whole
+            # tensors: run on the shards, each rank would answer for its own rows
+            returns_tensors = all(
+                isinstance(r.type, torch.TensorType) for r in func._schema.returns
+            )
+            kind = 2 if rule in UNIFORM_RULES and returns_tensors else 1
         _FAST_KIND[func] = kind
     return kind
 

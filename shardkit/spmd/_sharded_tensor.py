@@ -308,6 +308,15 @@ class ShardedTensor(torch.Tensor):
         subclasses). Collective, as :meth:`full_tensor`: call it on every rank."""
         return self.full_tensor().numpy(force=force)
 
+    def requires_grad_(self, requires_grad: bool = True) -> ShardedTensor:
+        """As torch's; a leaf that starts requiring grad (``nn.Parameter(st)``, a deep
+        copy of a sharded module, ``from_local(...).requires_grad_()``) gets its gradient
+        laid out like itself, as :func:`mark_sharding` does (see ``keep_grad_placement``)."""
+        super().requires_grad_(requires_grad)
+        if requires_grad and self.is_leaf:
+            keep_grad_placement(self)
+        return self
+
     def __reduce_ex__(self, protocol):
         raise TypeError(
             "a ShardedTensor cannot be pickled; save it with shardkit.checkpoint.save, "
@@ -362,7 +371,9 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ShardedTensor(grad, ctx.placement, ctx.shape)
+        # a pending sum's addend: each rank's gradient is the sum's gradient, replicated
+        # (as DTensor's to_local); kept pending, the ranks' copies would be summed again
+        return ShardedTensor(grad, ctx.placement.without_partial(), ctx.shape)
 
 
 class _Redistribute(torch.autograd.Function):
@@ -442,11 +453,18 @@ def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) ->
 
 
 def _mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpec) -> ShardedTensor:
-    if isinstance(t, ShardedTensor):
-        return t.redistribute(partition_spec, mesh)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"mark_sharding expects a torch.Tensor, got {type(t).__name__}")
     placement = Placement.from_user(mesh, partition_spec, t.ndim)
+    if isinstance(t, ShardedTensor):
+        if t._placement == placement:
+            return t
+        raise ValueError(
+            f"mark_sharding: the tensor is already sharded as {t.partition_spec} on {t.mesh}, "
+            f"not {tuple(partition_spec)} on {mesh}; resharding moves data, so say so: "
+            "st.redistribute(spec), or xs.clear_sharding(st) first (as torch_xla, which "
+            "refuses to re-annotate)"
+        )
     if t.is_leaf:
         local = t.detach()[placement.box(t.shape).slices()].clone()
         st = ShardedTensor(local, placement, t.shape, requires_grad=t.requires_grad)
@@ -511,6 +529,9 @@ def keep_grad_placement(param: ShardedTensor) -> None:
             local = redistribute_local(grad._local_tensor, grad.shape, grad._placement, target)
             p.grad = ShardedTensor(local, target, grad.shape)
 
+    if param.__dict__.get("_keeps_grad_placement") == id(param):
+        return  # hooked already (a copy's flag, copied with __dict__, names the original)
+    param.__dict__["_keeps_grad_placement"] = id(param)
     strides = param.stride()
 
     def same_strides(grad: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._dispatch import Declined, register_rule
+from .._redistribute import redistribute_local
 from ._common import Placement, is_partial_leader, is_st, local_under, move_cost, wrap
 
 aten = torch.ops.aten
@@ -222,10 +223,16 @@ def _index_put(func, args, kwargs):
     local_values = local_under(values, req_values) if isinstance(values, torch.Tensor) else values
     if inplace:
         local_self = local_under(st, req_self)
-        if local_self is not st._local_tensor:
-            st._local_tensor = local_self
-        st._placement = req_self
-        func(st._local_tensor, indices, local_values, *rest, **kwargs)
+        func(local_self, indices, local_values, *rest, **kwargs)
+        if local_self is st._local_tensor:
+            return st
+        if st._placement.partial:  # the written values are whole: no longer a pending sum
+            st._local_tensor, st._placement = local_self, req_self
+            return st
+        # back into self's own layout, in place: an in-place op never re-lays out self
+        # (a vocabulary-sharded embedding stays sharded); a local slice here, since the
+        # written layout only replicates dims self shards
+        st._local_tensor.copy_(redistribute_local(local_self, shape, req_self, st._placement))
         return st
     out = Placement(mesh, req_self.spec, keep)
     local_self = local_under(st, req_self)
