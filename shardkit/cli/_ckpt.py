@@ -117,19 +117,33 @@ def require_checkpoint_dir(path: str) -> None:
     if not fs.isdir(root):
         raise CliError(f"{path} is a file, not a shardkit checkpoint directory")
     if not fs.exists(f"{root}/{METADATA_FILE}"):
-        steps = _step_dirs(fs, root)
-        if steps:
-            latest = max(steps)
-            raise CliError(
-                f"{path} is a CheckpointManager directory ({len(steps)} steps); name one step, "
-                f"e.g. {path.rstrip('/')}/{steps[latest]}"
-            )
+        manager = manager_dir_error(fs, root, path)
+        if manager is not None:
+            raise manager
         if fs.exists(f"{root}/.metadata"):
             raise CliError(
                 f"{path} is a torch.distributed.checkpoint directory, not a shardkit one; "
                 f"import it with: shardkit ckpt convert {path} DST --from torch-dcp --to shardkit"
             )
         raise CliError(f"{path} is not a shardkit checkpoint: it has no {METADATA_FILE}")
+
+
+def manager_dir_error(fs, root: str, path: str) -> CliError | None:
+    """The error for a CheckpointManager directory given where one checkpoint is wanted:
+    it names the newest step that has a checkpoint (not an incomplete one); None when
+    ``path`` holds no step directories."""
+    steps = _step_dirs(fs, root)
+    if not steps:
+        return None
+    committed = [s for s in steps if fs.exists(f"{root}/{steps[s]}/{METADATA_FILE}")]
+    example = (
+        f"e.g. {path.rstrip('/')}/{steps[max(committed)]}"
+        if committed
+        else "but none of them has a checkpoint (every step is incomplete)"
+    )
+    return CliError(
+        f"{path} is a CheckpointManager directory ({len(steps)} steps); name one step, {example}"
+    )
 
 
 def _step_dirs(fs, root: str) -> dict[int, str]:
@@ -154,8 +168,9 @@ def human_bytes(n: int) -> str:
 
 
 def _jsonable(value: Any) -> Any:
-    """A saved value with every dict key JSON can write: a tuple or other key is shown as
-    its ``repr`` (the value format keeps such keys; ``json`` cannot write them)."""
+    """A saved value as strict JSON can write it: a tuple or other dict key, and a NaN or
+    infinite float, are shown as their ``repr`` (the value format keeps them; strict JSON
+    cannot)."""
     if isinstance(value, dict):
         return {
             k if k is None or isinstance(k, (str, int, float, bool)) else repr(k): _jsonable(v)
@@ -163,6 +178,8 @@ def _jsonable(value: Any) -> Any:
         }
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # "nan", "inf": strict JSON has no such numbers
     return value
 
 
@@ -194,20 +211,42 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     rows = [["STEP", "CREATED", "SIZE", "FILES", "SHARED", "STATUS"]]
     damaged = []
+    found = {step: step_status(f"{args.path.rstrip('/')}/{steps[step]}") for step in steps}
+    users = _shared_data_users(steps, found)
     for step in sorted(steps):
-        url = f"{args.path.rstrip('/')}/{steps[step]}"
-        status, md, why = step_status(url)
+        status, md, why = found[step]
         if md is not None:
             size, files = human_bytes(sum(md.files.values())), str(len(md.files))
             rows.append([str(step), md.created, size, files, _shared(md), status])
         else:
-            rows.append([str(step), "-", "-", "-", "-", status])
+            rows.append([str(step), "-", "-", "-", "-", users.get(step, status)])
         if why and status != "incomplete (never committed)":
             damaged.append(f"step {step}: {why}")
     print(_table(rows, right={0, 2, 3, 4}))
     for line in damaged:
         print(f"WARNING {printable(line)}", file=sys.stderr)
     return 0
+
+
+def _shared_data_users(steps: dict[int, str], found: dict[int, tuple]) -> dict[int, str]:
+    """For each step directory without a checkpoint of its own whose data files committed
+    steps still read (an incremental base whose metadata retention removed): a status
+    naming those steps. Deleting such a directory breaks them."""
+    by_dir = {name: step for step, name in steps.items()}
+    users: dict[int, list[int]] = {}
+    for step, (_status, md, _why) in found.items():
+        for link in md.linked.values() if md is not None else ():
+            holder = by_dir.get(link.dir)
+            if (
+                holder is not None
+                and found[holder][1] is None
+                and step not in users.get(holder, [])
+            ):
+                users.setdefault(holder, []).append(step)
+    return {
+        holder: "shared data of step(s) " + ", ".join(map(str, sorted(of)))
+        for holder, of in users.items()
+    }
 
 
 def _shared(md) -> str:
@@ -315,7 +354,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """A table of keys with dtype, global shape, chunk count and bytes."""
     info = describe(args.path)
     if args.json:
-        print(json.dumps(info, indent=2, default=str))
+        print(json.dumps(info, indent=2, default=str, allow_nan=False))
         return 0 if "format" in info else _warn_if_damaged(args.path)
     print(f"checkpoint     {printable(info['path'])}")
     if "format" in info:  # a single file
@@ -383,19 +422,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     steps = {} if fs.exists(f"{root}/{METADATA_FILE}") else _step_dirs(fs, root)
     if not steps:
         return _verify_one(args.path, args.no_progress)
-    bad = []
+    bad, verified = [], 0
+    found = {step: step_status(f"{args.path.rstrip('/')}/{steps[step]}") for step in steps}
+    users = _shared_data_users(steps, found)
     for step in sorted(steps):
         url = f"{args.path.rstrip('/')}/{steps[step]}"
+        if step in users:
+            print(f"skipped {url}: no checkpoint of its own; {users[step]} (verified with them)")
+            continue
         if not fs.exists(f"{root}/{steps[step]}/{METADATA_FILE}"):
             print(f"skipped {url}: incomplete (never committed, never loaded)")
             continue
         try:
             _verify_one(url, args.no_progress)
+            verified += 1
         except VerifyFailed as exc:
             bad.append(str(exc))
     if bad:
         more = f" (and {len(bad) - 1} more steps)" if len(bad) > 1 else ""
         raise VerifyFailed(f"{bad[0]}{more}")
+    if not verified:
+        raise CliError(f"{args.path}: no committed step to verify (every step is incomplete)")
     return 0
 
 

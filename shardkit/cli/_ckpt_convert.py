@@ -35,7 +35,7 @@ def detect_format(path: str, *, hint: str = "") -> str:
     Looks at names and at most 9 bytes; never unpickles anything and never opens a FIFO
     or device. ``hint`` ends the error message (``convert`` suggests ``--from``).
     """
-    from ._ckpt import METADATA_FILE, require_exists
+    from ._ckpt import METADATA_FILE, manager_dir_error, require_exists
 
     fs, root = require_exists(path)
     if fs.isdir(root):
@@ -43,6 +43,9 @@ def detect_format(path: str, *, hint: str = "") -> str:
             return "shardkit"
         if fs.exists(f"{root}/.metadata"):
             return "torch-dcp"
+        manager = manager_dir_error(fs, root, path)
+        if manager is not None:
+            raise manager
         raise CliError(
             f"{path} is a directory but neither a shardkit checkpoint ({METADATA_FILE}) nor a "
             f"torch.distributed.checkpoint (.metadata){hint}"
@@ -226,13 +229,30 @@ def _flatten(value, prefix: str = "") -> Iterator[tuple[str, object]]:
 
 
 def _max_abs_diff(a, b) -> float:
+    """The largest |a - b|. Integers are compared exactly (int64 past 2**53 does not
+    survive float64); equal infinities, and NaN against NaN, in the same places are
+    equal; NaN against a number is NaN (a difference)."""
     import torch
 
-    if a.dtype == torch.bool or b.dtype == torch.bool:
-        return float((a != b).sum().item())
     if a.numel() == 0:
         return 0.0
-    return (a.to(torch.float64) - b.to(torch.float64)).abs().max().item()
+    if a.dtype == torch.bool or b.dtype == torch.bool:
+        return float((a != b).sum().item())
+    if not a.is_floating_point():
+        if torch.equal(a, b):
+            return 0.0
+        # integers that differ differ by at least 1, whatever float64 rounds them to
+        return max(1.0, (a.to(torch.float64) - b.to(torch.float64)).abs().max().item())
+    x, y = a.to(torch.float64), b.to(torch.float64)
+    same = (x == y) | (x.isnan() & y.isnan())
+    if bool(same.all()):
+        return 0.0
+    return torch.where(same, 0.0, (x - y).abs()).max().item()
+
+
+def _same_value(a, b) -> bool:
+    """Plain values: equal, or spelled alike (a NaN metric saved twice is the same)."""
+    return a == b or repr(a) == repr(b)
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -247,7 +267,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     for key in sorted(a.keys() & b.keys()):
         if key in a.values or key in b.values:
             va, vb = a.values.get(key, "<tensor>"), b.values.get(key, "<tensor>")
-            if va != vb:
+            if not _same_value(va, vb):
                 differ.append((key, f"value {va!r} vs {vb!r}"))
             else:
                 same += 1

@@ -1,7 +1,7 @@
 """Entry point of the ``shardkit`` console script: parser, dispatch and error handling.
 
 Every failure ends in one line on stderr, ``shardkit: error: ...``, never a traceback
-(``--debug`` re-raises instead, for bug reports). Exit codes (docs/cli.md):
+(``--debug`` prints the traceback before it, for bug reports; the exit status stays). Exit codes (docs/cli.md):
 
 0 success; 1 ``verify`` found damage or ``diff`` found differences; 2 usage error (bad
 arguments, a missing path, not a checkpoint); 3 damaged checkpoint (a command other than
@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import os
 import sys
+import traceback
 
 from .._version import __version__
 
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     ckpt = commands.add_parser(
         "ckpt",
-        help="list, inspect, verify, convert and diff checkpoints",
+        help="list, inspect, verify, diff, convert and materialize checkpoints",
         description="Work with checkpoints. Every PATH is a local path or an fsspec URL.",
     )
     _add_debug(ckpt, top=False)
@@ -106,7 +107,11 @@ def _handled_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the process exit code."""
-    parser = build_parser()
+    try:
+        parser = build_parser()  # imports torch: Ctrl-C often lands here
+    except KeyboardInterrupt:
+        print("shardkit: interrupted", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     if args.command is None or (
         args.command == "ckpt" and getattr(args, "ckpt_command", None) is None
@@ -121,24 +126,27 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:
-        if args.debug:
-            raise
+        _traceback_if(args.debug)
         print("shardkit: interrupted", file=sys.stderr)
         return 130
     except _handled_errors() as exc:
-        if args.debug:
-            raise
+        _traceback_if(args.debug)
         print(f"shardkit: error: {_one_line(exc)}", file=sys.stderr)
         return _exit_code(exc)
     except Exception as exc:  # a bug: still one line, the traceback only with --debug
-        if args.debug:
-            raise
+        _traceback_if(args.debug)
         print(
             f"shardkit: internal error: {type(exc).__name__}: {_one_line(exc)} "
             "(rerun with --debug for the traceback and please report it)",
             file=sys.stderr,
         )
         return EXIT_INTERNAL
+
+
+def _traceback_if(debug: bool) -> None:
+    """``--debug``: the full traceback too; the exit status stays the documented one."""
+    if debug:
+        traceback.print_exc()
 
 
 def _exit_code(exc: BaseException) -> int:

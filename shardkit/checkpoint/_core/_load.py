@@ -85,13 +85,22 @@ def is_committed(checkpoint_id: str | os.PathLike, *, storage_options: dict | No
     the recorded size and safetensors header (data checksums are verified on load, not
     here). A damaged or hostile checkpoint is not committed.
     """
+    return why_not_committed(checkpoint_id, storage_options=storage_options) is None
+
+
+def why_not_committed(
+    checkpoint_id: str | os.PathLike, *, storage_options: dict | None = None
+) -> str | None:
+    """None for a committed checkpoint (see :func:`is_committed`), else why it is not:
+    the first check it fails, naming the file (malformed metadata, a missing or cut-short
+    data file...)."""
     reader = FileSystemReader(checkpoint_id, storage_options=storage_options)
     try:
         metadata = _metadata(reader)
         _check_files(reader, metadata, metadata.file_names(), {})
-    except CheckpointError:
-        return False
-    return True
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def _load_object(reader: StorageReader, key: str, metadata: Metadata) -> Any:

@@ -450,15 +450,17 @@ def check_files(reader: Any, md: Metadata, names: set[str], why: dict[str, str])
         link = md.linked.get(name)
         expected = link.size if link is not None else md.files.get(name)
         holds = why.get(name, "data")
+        # a linked file lives in a sibling directory (the base of an incremental save)
+        place = f"file {name}" if link is None else f"file ../{link.dir}/{name} (shared data)"
         try:
             size = reader.file_size(name)
         except FileNotFoundError:
             raise CorruptCheckpointError(
-                f"{where(reader)}: file {name} is missing; it holds {holds}"
+                f"{where(reader)}: {place} is missing; it holds {holds}"
             ) from None
         if size != expected:
             raise CorruptCheckpointError(
-                f"{where(reader)}: file {name} is {size} bytes but the metadata says "
+                f"{where(reader)}: {place} is {size} bytes but the metadata says "
                 f"{expected} (truncated or replaced); it holds {holds}"
             )
         if link is not None:

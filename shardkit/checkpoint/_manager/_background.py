@@ -75,6 +75,7 @@ class BackgroundMethods:
             err.__cause__ = exc
             with self._lock:
                 self._errors.append(err)
+                self._failed_steps.add(step)
         finally:
             handled.set()
 
@@ -131,13 +132,33 @@ class BackgroundMethods:
     # -- waiting ------------------------------------------------------------------------
     def _wait_in_flight(self, keep: int) -> None:
         while len(self._in_flight) > keep:
-            _, future, handled = self._in_flight.popleft()
+            step, future, handled = self._in_flight.popleft()
             try:
                 future.result()
             except BaseException:
                 pass  # recorded by the done callback; raised below
             handled.wait()
+            self._roll_back_failed(step)
         self._raise_errors()
+
+    def _roll_back_failed(self, step: int) -> None:
+        """A background save of ``step`` that failed did not happen: it (and the
+        preemption checkpoint, if it was that) can be saved again, as after a failed
+        blocking save. Every rank sees the same failure (the core agrees on it)."""
+        previous = self._previous_step.pop(step, None)
+        while previous in self._rolled_back:  # the save before it failed too
+            previous = self._rolled_back[previous]
+        with self._lock:
+            failed = step in self._failed_steps
+            self._failed_steps.discard(step)
+        if failed:
+            self._rolled_back[step] = previous
+            if self._last_step == step:
+                self._last_step = previous
+            if self._preemption_step == step:
+                self._preemption_step = None
+        if not self._in_flight:
+            self._rolled_back.clear()
 
     def _wait_retention(self) -> None:
         with self._lock:

@@ -25,6 +25,13 @@ def is_committed_step(store, step: int) -> bool:
     return is_committed(store.step_url(step), storage_options=store.storage_options)
 
 
+def why_step_not_committed(store, step: int) -> str | None:
+    """The core's reason why ``step`` is not committed, or None when it is."""
+    from .._core._load import why_not_committed
+
+    return why_not_committed(store.step_url(step), storage_options=store.storage_options)
+
+
 def _writer(mgr: CheckpointManager, step: int) -> FileSystemWriter:
     store = mgr._store
     return FileSystemWriter(

@@ -52,7 +52,8 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         process_group: the ranks that take part (default: the world). The manager runs
             its own collectives on a private gloo group over those ranks.
         chkpt_on_preemption: watch ``preemption_signal`` and checkpoint at the next save
-            call on every rank when any rank received it.
+            call on every rank when any rank received it. Not with ``read_only``: a
+            reader cannot checkpoint, so the signal stops it as usual.
         preemption_signal: the signal announcing preemption (e.g. ``signal.SIGUSR1``).
         preservation_policy: a :class:`PreservationPolicy` (``EveryNSteps``, ``BestN``,
             ...); a step is kept when it or ``max_to_keep`` keeps it. The newest
@@ -174,12 +175,18 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         self._init_groups(process_group, async_process_group)
         refuse_per_process(self._store.fs, self.path, len(self._ranks))
         self._tiers = None if local_tier is None else TierEngine(self, local_tier)
-        self._watcher = PreemptionWatcher(preemption_signal) if chkpt_on_preemption else None
+        # a reader never saves: it leaves the signal to stop the process, as without it
+        watch = chkpt_on_preemption and not read_only
+        self._watcher = PreemptionWatcher(preemption_signal) if watch else None
         if self._watcher is not None:  # a manager dropped without close() gives SIGTERM back
             weakref.finalize(self, self._watcher.close)
         self._lock = threading.Lock()
         self._in_flight: deque[tuple[int, Future, threading.Event]] = deque()
         self._errors: list[BaseException] = []
+        self._previous_step: dict[int, int | None] = {}  # in-flight step -> step before it
+        self._failed_steps: set[int] = set()  # background saves that failed, not yet seen
+        self._rolled_back: dict[int, int | None] = {}  # failed step -> step before it
+        self._stale_preemption_warned = False
         self._retention = ThreadPoolExecutor(1, thread_name_prefix="shardkit-retention")
         self._retention_futures: list[Future] = []
         self._metrics: dict[int, dict[str, Any] | None] = {}
@@ -425,14 +432,24 @@ class CheckpointManager(BackgroundMethods, TierMethods):
             self._become_writer()  # a RAM copy is a save: one writer per run
         local_saved = tiers is not None and tiers.save(step, *tier_range)
         preempted = signalled and self._preemption_step is None
-        if preempted:
-            self._preemption_step = step  # every rank agreed on this very step
         due = force or preempted or step % self.save_interval == 0
-        if not due or (self._last_step is not None and step <= self._last_step):
-            if force and self._last_step is not None and step <= self._last_step:
+        stale = self._last_step is not None and step <= self._last_step
+        if not due or stale:
+            if force and stale:
                 raise ValueError(
                     f"step {step} is not newer than the last saved step {self._last_step} "
                     f"under {self.path}; steps must increase"
+                )
+            if preempted and stale and not self._stale_preemption_warned:
+                # not taken: reached_preemption() stays False
+                self._stale_preemption_warned = True
+                log.warning(
+                    "preemption signal at step %d not saved: it is not newer than the last "
+                    "saved step %d under %s (after a rollback, save into a new directory); "
+                    "the first newer step is saved instead",
+                    step,
+                    self._last_step,
+                    self.path,
                 )
             return local_saved
         # Bound the backlog: the in-flight limit, and retention of every finished commit
@@ -444,6 +461,8 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         self._become_writer()
         if self._last_step is not None and step <= self._last_step:
             return local_saved  # another writer committed it before we took the lease
+        if preempted:
+            self._preemption_step = step  # every rank agreed on this very step
         self._coordinated(
             f"preparing step {step}", lambda: self._prepare_step(step, metrics) or None
         )
@@ -457,6 +476,8 @@ class CheckpointManager(BackgroundMethods, TierMethods):
                 io.save_step(self, step, state_dict, base)
         except BaseException as exc:
             self._last_step = previous  # not saved: the step can be saved again
+            if preempted:
+                self._preemption_step = None
             self._unpin(base)
             if not isinstance(exc, Exception):
                 # Ctrl-C, SystemExit: no collective clean-up (the other ranks may not have
@@ -471,6 +492,7 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         else:
             handled = threading.Event()
             self._in_flight.append((step, future, handled))
+            self._previous_step[step] = previous  # where a failure rolls back to
             # The core keeps its last future alive after it is done, and a future keeps
             # its callbacks: the callback lets go of the manager once it has run, so a
             # manager dropped without close() is still collected (lease, signal handler).
@@ -521,6 +543,17 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         from . import _io as io
 
         io.load_step(self, step, state_dict)
+        if not self.read_only and self._last_step is not None and step < self._last_step:
+            log.warning(
+                "restored step %d under %s, which holds steps up to %d: saves of steps up "
+                "to %d are skipped (the preemption checkpoint too); to branch off step %d, "
+                "save into a new directory",
+                step,
+                self.path,
+                self._last_step,
+                self._last_step,
+                step,
+            )
         return state_dict
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -141,7 +141,7 @@ class StepStore:
                 # committed between the two checks (a writer's commit), or damaged
                 ok = self._committed_quietly(step)
                 if not ok and self.has_marker(step):
-                    self._warn_once(step, "its checkpoint is damaged (files missing or cut short)")
+                    self._warn_once(step, f"its checkpoint is damaged: {self._damage(step)}")
             if ok:
                 steps.append(step)
         return steps
@@ -176,6 +176,14 @@ class StepStore:
             return self.is_committed(step)
         except Exception:
             return False
+
+    def _damage(self, step: int) -> str:
+        from ._io import why_step_not_committed
+
+        try:
+            return why_step_not_committed(self, step) or "it changed while being checked"
+        except Exception as exc:
+            return str(exc)
 
     def _marker_is_plain_file(self, step: int) -> bool:
         """False (with a warning) when the metadata file is a FIFO, device, symlink..."""
