@@ -75,6 +75,25 @@ def _live_entries(model: nn.Module) -> tuple[dict[str, tuple[str | None, Any]], 
     return entries, nested
 
 
+def _without_wrapper_names(model: nn.Module, state_dict: Mapping, entries: dict) -> Mapping:
+    """``state_dict`` with keys of the wrappers' own ``state_dict()`` (``module.`` of DDP
+    and FSDP) renamed to the unwrapped FQNs this loads, as torch's DDP accepts them: a
+    ``strict=False`` load would otherwise load nothing, silently."""
+    if all(k in entries for k in state_dict):
+        return state_dict
+    out = {}
+    for key, value in state_dict.items():
+        if key not in entries and isinstance(key, str):
+            try:
+                clean = clean_key(model, key)
+            except (AttributeError, KeyError, ValueError):
+                clean = key
+            if clean in entries and clean not in state_dict:
+                key = clean
+        out[key] = value
+    return out
+
+
 def _frozen(model: nn.Module) -> set[str]:
     """Clean FQNs of parameters with ``requires_grad=False`` (every name of a shared one)."""
     root = unwrap(model)
@@ -171,6 +190,7 @@ def set_model_state_dict(
             f"{type(model_state_dict).__name__}"
         )
     entries, sharded = _live_entries(model)
+    model_state_dict = _without_wrapper_names(model, model_state_dict, entries)
     done: set[str] = set()
     if opts.broadcast_from_rank0:
         model_state_dict, done = broadcast_from_rank0(model_state_dict, entries, unwrap(model))

@@ -253,6 +253,24 @@ def set_optimizer_state_dict(
             "the optimizers have some; the optimizers are unchanged. Pass the state dict "
             "get_optimizer_state_dict returned"
         )
+    if opts.strict:  # a group no saved group knows: the state dict of another optimizer
+        strangers = [
+            names
+            for n, optim in enumerate(optims)
+            for group in optim.param_groups
+            if (names := _names(list(group["params"]), fqns, n))
+            and _saved_group(saved_groups, names) is None
+        ]
+        if strangers:
+            shown = [*strangers[0][:3], "..."] if len(strangers[0]) > 3 else strangers[0]
+            raise ValueError(
+                f"{on_rank()}set_optimizer_state_dict: no saved param group holds any of the "
+                f"parameters {shown} of an optimizer group ({len(saved_groups)} saved "
+                "group(s)): the state dict of another model or optimizer? The optimizers "
+                "are unchanged. Pass "
+                "StateDictOptions(strict=False) to keep such groups' own hyperparameters "
+                "(their state is then dropped, as torch does)"
+            )
     empty_saved = [g for g in saved_groups if not g.get("params")]
     used: set[str] = set()
     for n, optim in enumerate(optims):
@@ -265,7 +283,11 @@ def set_optimizer_state_dict(
                 saved = _saved_group(saved_groups, names)
             else:
                 saved = empty_saved.pop(0) if empty_saved else None
-            base = {k: v for k, v in (saved or group).items() if k != "params"}
+            base = {  # a tuple (Adam's betas) that came back as a JSON list stays a tuple
+                k: tuple(v) if isinstance(v, list) and isinstance(group.get(k), tuple) else v
+                for k, v in (saved or group).items()
+                if k != "params"
+            }
             new_groups.append({**base, "params": list(range(index, index + len(names)))})
             for p, name in zip(group["params"], names):
                 if name in saved_state:
@@ -389,7 +411,13 @@ def _broadcast_optim(osd: Any, optims: list, fqns: dict[int, str], layouts: dict
         nested = _fqn_keyed(osd, optims, fqns)
         items = [(f"state.{fqn}.{k}", v) for fqn, e in nested["state"].items()
                  for k, v in e.items()]  # fmt: skip
-        items.append(("param_groups", nested["param_groups"]))
+        groups = []
+        for i, group in enumerate(nested["param_groups"]):
+            # a tensor hyperparameter (lr=torch.tensor(0.01)) travels as a tensor item
+            tensors = {k: v for k, v in group.items() if isinstance(v, torch.Tensor)}
+            items.extend((f"param_groups.{i}.{k}", v) for k, v in tensors.items())
+            groups.append({k: v for k, v in group.items() if k not in tensors})
+        items.append(("param_groups", groups))
         return items
 
     keys: dict[str, tuple[str, str]] = {}
@@ -405,7 +433,12 @@ def _broadcast_optim(osd: Any, optims: list, fqns: dict[int, str], layouts: dict
 
     got = broadcast_items(make_items, localize)
     state: dict[str, dict[str, Any]] = {}
+    groups = got["param_groups"]
     for key, value in got.items():
+        if key.startswith("param_groups."):
+            _, i, name = key.split(".", 2)
+            groups[int(i)][name] = value
+            continue
         if key == "param_groups":
             continue
         if key not in keys:  # a JSON value (e.g. a step count kept as a number)
@@ -416,4 +449,4 @@ def _broadcast_optim(osd: Any, optims: list, fqns: dict[int, str], layouts: dict
             keys[key] = (fqn, rest[len(fqn) + 1 :])
         fqn, name = keys[key]
         state.setdefault(fqn, {})[name] = value
-    return {"state": state, "param_groups": got["param_groups"]}
+    return {"state": state, "param_groups": groups}

@@ -81,6 +81,9 @@ def resolve_options(options: StateDictOptions | None) -> StateDictOptions:
     """``options`` or the defaults; anything else is a TypeError naming its type."""
     if options is None:
         return StateDictOptions()
+    if _is_torch_options(options):  # code moved over keeps torch's import: take its fields
+        names = {f.name for f in fields(StateDictOptions)}
+        return StateDictOptions(**{k: v for k, v in vars(options).items() if k in names})
     if not isinstance(options, StateDictOptions):
         raise TypeError(
             f"options must be a StateDictOptions, got {type(options).__name__}; build one with "
@@ -88,3 +91,10 @@ def resolve_options(options: StateDictOptions | None) -> StateDictOptions:
             "ignore_frozen_params=..., broadcast_from_rank0=...)"
         )
     return options
+
+
+def _is_torch_options(options: object) -> bool:
+    cls = type(options)
+    return cls.__name__ == "StateDictOptions" and cls.__module__.startswith(
+        "torch.distributed.checkpoint"
+    )
