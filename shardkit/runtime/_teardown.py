@@ -18,9 +18,14 @@ Two phases, both while the interpreter and every process group are still alive:
    GIL, is torn down inside C++ and aborts the process with ``terminate called without
    an active exception``.
 
-A rank that dies from an uncaught exception skips the barrier (the others may be
-inside a collective it will never join); it exits non-zero and the launcher stops the
-rest.
+A rank that fails skips the barrier (the others may be inside a collective it will
+never join): an uncaught exception (also under an application's own ``sys.excepthook``)
+or ``sys.exit`` with a non-zero status (argparse's errors too). It closes its
+connections, so a rank waiting for it in a collective fails at once instead of at the
+group's timeout, and the launcher stops the rest. The barrier itself is bounded
+(``SHARDKIT_EXIT_WAIT_MAX`` seconds, default 120): a rank that finished and waits longer
+for the others leaves without them, saying so, for the same reason (a rank blocked in a
+collective this one never called then fails instead of waiting for the timeout).
 """
 
 from __future__ import annotations
@@ -96,13 +101,21 @@ def own_default_group(group: object = None) -> None:
     if not _registered:
         _registered = True
         previous = sys.excepthook
+        previous_exit = sys.exit
 
         def excepthook(exc_type, exc, tb):
             global _failed
             _failed = True
             previous(exc_type, exc, tb)
 
+        def exit_(status=None):
+            global _failed
+            if status not in (None, 0):  # sys.exit(1), sys.exit("message"), argparse
+                _failed = True
+            previous_exit(status)
+
         sys.excepthook = excepthook
+        sys.exit = exit_
         atexit.register(teardown)
 
 
@@ -122,13 +135,18 @@ def teardown() -> None:
     _run(_hooks)
     alive = [t.name for t in threading.enumerate() if t.name.startswith("shardkit-")]
     assert not alive, f"shardkit threads still running at teardown: {alive}"
-    if not _failed:
-        _final_barrier()
+    # an application's own excepthook may replace ours; Python still records the error
+    failed = _failed or hasattr(sys, "last_value") or hasattr(sys, "last_exc")
+    if not failed and not _final_barrier():
+        # the barrier is still pending: freeing the group would join its worker thread,
+        # blocked in it for good; the group is never freed, and the process exit closes
+        # its connections (a rank waiting for this one then fails at once)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(dist.group.WORLD))
     dist.destroy_process_group()
     _owned = None
 
 
-def _final_barrier() -> None:
+def _final_barrier() -> bool:
     """A barrier whose ``Work`` is never freed, so no gloo thread frees it at finalization.
 
     Every gloo ``Work`` enqueued from Python carries the caller's thread-local state, which
@@ -142,29 +160,49 @@ def _final_barrier() -> None:
     freed on a worker thread after this returns either. One small object stays allocated
     until the process ends.
     """
-    work = dist.barrier(async_op=True)
+    try:
+        work = dist.barrier(async_op=True)
+    except RuntimeError:  # a rank already left (it gave up waiting for this one)
+        return True
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
-    wait_at_exit(work, dist.get_rank())
+    return wait_at_exit(work, dist.get_rank())
 
 
-def wait_at_exit(work, rank: int) -> None:
+def wait_at_exit(work, rank: int) -> bool:
     """``work.wait()``, saying on stderr why, once the wait passes
     ``SHARDKIT_EXIT_WAIT_WARN`` seconds (default 30): a rank that finished waits for the
     others, which is right while they still work but lasts until the group's timeout
     when one is blocked in a collective this rank never called."""
     after = float(os.environ.get("SHARDKIT_EXIT_WAIT_WARN", "30"))
+    limit = float(os.environ.get("SHARDKIT_EXIT_WAIT_MAX", "120"))
     start, pause, warned = time.monotonic(), 0.0005, False
     while not work.is_completed():
-        if not warned and time.monotonic() - start >= after:
+        waited = time.monotonic() - start
+        if waited >= limit:
+            print(
+                f"shardkit: rank {rank} reached the end of the program and waited {limit:g} s "
+                "at exit for the other ranks; it leaves without them "
+                "(SHARDKIT_EXIT_WAIT_MAX). A rank blocked in a collective this rank never "
+                "called now fails",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        if not warned and waited >= after:
             warned = True
             print(
-                f"shardkit: rank {rank} finished and has waited {after:g} s at exit for the "
-                "other ranks. If one is blocked in a collective this rank never called (e.g. "
-                "`if rank == 0: st.full_tensor()`, or a save on one rank only), this lasts "
-                "until the process group's timeout; call collectives on every rank",
+                f"shardkit: rank {rank} reached the end of the program and has waited "
+                f"{after:g} s at exit for the other ranks (at most {limit:g} s). If one is "
+                "blocked in a collective this rank never called (e.g. `if rank == 0: "
+                "st.full_tensor()`, or a save on one rank only), call collectives on every "
+                "rank",
                 file=sys.stderr,
                 flush=True,
             )
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
-    work.wait()
+    try:
+        work.wait()
+    except RuntimeError:  # a rank left first (it gave up waiting, or failed)
+        pass
+    return True

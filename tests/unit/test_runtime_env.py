@@ -78,9 +78,28 @@ def test_a_long_wait_at_exit_says_why_on_stderr(monkeypatch, capsys):
 
     monkeypatch.setenv("SHARDKIT_EXIT_WAIT_WARN", "0.01")
     work = Work()
-    wait_at_exit(work, 1)
+    assert wait_at_exit(work, 1)
     err = capsys.readouterr().err
-    assert work.waited and "rank 1 finished and has waited" in err and "every rank" in err
+    assert work.waited and "rank 1 reached the end of the program and has waited" in err
+    assert "every rank" in err
     monkeypatch.setenv("SHARDKIT_EXIT_WAIT_WARN", "30")
-    wait_at_exit(Work(), 1)  # a short wait says nothing
+    assert wait_at_exit(Work(), 1)  # a short wait says nothing
     assert capsys.readouterr().err == ""
+
+
+def test_the_wait_at_exit_is_bounded(monkeypatch, capsys):
+    """A rank that finished waited at exit until the group's timeout (10 minutes) when
+    another was stuck in a collective only it called; now it leaves after
+    SHARDKIT_EXIT_WAIT_MAX seconds, saying so, and its exit fails the stuck rank."""
+    from shardkit.runtime._teardown import wait_at_exit
+
+    class Never:  # a barrier some rank never reaches
+        def is_completed(self):
+            return False
+
+        def wait(self):
+            raise AssertionError("waited on a barrier that never completes")
+
+    monkeypatch.setenv("SHARDKIT_EXIT_WAIT_MAX", "0.05")
+    assert not wait_at_exit(Never(), 1)
+    assert "leaves without them (SHARDKIT_EXIT_WAIT_MAX)" in capsys.readouterr().err
