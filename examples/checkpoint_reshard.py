@@ -20,8 +20,9 @@ def _state(mesh: xs.Mesh, spec: tuple, fill: bool) -> dict:
     full = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)
     emb = full if fill else torch.zeros_like(full)
     model = torch.nn.Linear(8, 4)
-    if fill:
+    if fill:  # the same on every rank: plain tensors are replicated
         torch.nn.init.constant_(model.weight, 0.5)
+        torch.nn.init.constant_(model.bias, 0.25)
     return {
         "emb": xs.mark_sharding(emb, mesh, spec),  # sharded
         "model": model,  # Stateful, plain tensors: replicated
