@@ -132,3 +132,22 @@ def test_a_step_with_malformed_metadata_is_skipped_with_the_reason(tmp_path, cap
         with CheckpointManager(str(path), 1, read_only=True) as reader:
             assert reader.latest_step() == 1
     assert "metadata.json: not valid JSON" in caplog.text
+
+
+def test_a_damaged_step_names_itself_and_the_step_before_it(tmp_path):
+    path = tmp_path / "run"
+    with CheckpointManager(str(path), 1, chkpt_on_preemption=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": torch.full((64,), float(step))})
+    (data,) = (path / "step_00000002").glob("data-*")
+    raw = bytearray(data.read_bytes())
+    raw[-8] ^= 0xFF  # a bit flip of the same size: still listed as committed
+    data.write_bytes(bytes(raw))
+    with CheckpointManager(str(path), 1, read_only=True) as reader:
+        assert reader.latest_step() == 2
+        with pytest.raises(CheckpointError) as caught:
+            reader.restore(2, {"x": torch.zeros(64)})
+    assert type(caught.value).__name__ == "CorruptCheckpointError"
+    message = str(caught.value)
+    assert f"step 2 under {path} could not be restored" in message
+    assert "checksum mismatch" in message and "the newest older step is 1" in message

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ... import runtime
-from .._core._errors import CheckpointError
+from .._core._errors import CheckpointError, CorruptCheckpointError
 from .._core._storage import refuse_per_process
 from ._background import BackgroundMethods
 from ._checks import check_metrics as _check_metrics
@@ -542,7 +542,16 @@ class CheckpointManager(BackgroundMethods, TierMethods):
             )
         from . import _io as io
 
-        io.load_step(self, step, state_dict)
+        try:
+            io.load_step(self, step, state_dict)
+        except CheckpointError as exc:
+            if type(exc) not in (CheckpointError, CorruptCheckpointError):
+                raise  # a state dict that does not fit: the step is fine
+            older = [s for s in steps if s < step]
+            hint = f"; the newest older step is {older[-1]}" if older else ""
+            raise type(exc)(
+                f"step {step} under {self.path} could not be restored: {exc}{hint}"
+            ) from exc
         if not self.read_only and self._last_step is not None and step < self._last_step:
             log.warning(
                 "restored step %d under %s, which holds steps up to %d: saves of steps up "
