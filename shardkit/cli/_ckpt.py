@@ -211,8 +211,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     rows = [["STEP", "CREATED", "SIZE", "FILES", "SHARED", "STATUS"]]
     damaged = []
-    found = {step: step_status(f"{args.path.rstrip('/')}/{steps[step]}") for step in steps}
-    users = _shared_data_users(steps, found)
+    found, users = _step_statuses(args.path, steps)
     for step in sorted(steps):
         status, md, why = found[step]
         if md is not None:
@@ -228,25 +227,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shared_data_users(steps: dict[int, str], found: dict[int, tuple]) -> dict[int, str]:
-    """For each step directory without a checkpoint of its own whose data files committed
-    steps still read (an incremental base whose metadata retention removed): a status
-    naming those steps. Deleting such a directory breaks them."""
+def _step_statuses(path: str, steps: dict[int, str]) -> tuple[dict[int, tuple], dict[int, str]]:
+    """:func:`step_status` of every step directory, and for each one without a checkpoint
+    of its own whose data files committed steps still read (an incremental base whose
+    metadata retention removed) a status naming those steps: deleting it breaks them."""
+    found = {step: step_status(f"{path.rstrip('/')}/{name}") for step, name in steps.items()}
     by_dir = {name: step for step, name in steps.items()}
-    users: dict[int, list[int]] = {}
+    users: dict[int, set[int]] = {}
     for step, (_status, md, _why) in found.items():
         for link in md.linked.values() if md is not None else ():
             holder = by_dir.get(link.dir)
-            if (
-                holder is not None
-                and found[holder][1] is None
-                and step not in users.get(holder, [])
-            ):
-                users.setdefault(holder, []).append(step)
-    return {
+            if holder is not None and found[holder][1] is None:
+                users.setdefault(holder, set()).add(step)
+    shared = {
         holder: "shared data of step(s) " + ", ".join(map(str, sorted(of)))
         for holder, of in users.items()
     }
+    return found, shared
 
 
 def _shared(md) -> str:
@@ -423,8 +420,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not steps:
         return _verify_one(args.path, args.no_progress)
     bad, verified = [], 0
-    found = {step: step_status(f"{args.path.rstrip('/')}/{steps[step]}") for step in steps}
-    users = _shared_data_users(steps, found)
+    _, users = _step_statuses(args.path, steps)
     for step in sorted(steps):
         url = f"{args.path.rstrip('/')}/{steps[step]}"
         if step in users:

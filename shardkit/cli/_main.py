@@ -1,7 +1,8 @@
 """Entry point of the ``shardkit`` console script: parser, dispatch and error handling.
 
 Every failure ends in one line on stderr, ``shardkit: error: ...``, never a traceback
-(``--debug`` prints the traceback before it, for bug reports; the exit status stays). Exit codes (docs/cli.md):
+(``--debug`` prints the traceback before it, for bug reports; the exit status stays).
+Exit codes (docs/cli.md):
 
 0 success; 1 ``verify`` found damage or ``diff`` found differences; 2 usage error (bad
 arguments, a missing path, not a checkpoint); 3 damaged checkpoint (a command other than

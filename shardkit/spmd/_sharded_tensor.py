@@ -521,6 +521,9 @@ def keep_grad_placement(param: ShardedTensor) -> None:
     as a sum still pending over the data axis; this post-accumulate hook resolves it and
     lays it out like the parameter, which is what optimizers and checkpoints expect.
     """
+    if param.__dict__.get("_keeps_grad_placement") == id(param):
+        return  # hooked already (a copy's flag, copied with __dict__, names the original)
+    param.__dict__["_keeps_grad_placement"] = id(param)
 
     def hook(p: torch.Tensor) -> None:
         grad = p.grad
@@ -529,9 +532,6 @@ def keep_grad_placement(param: ShardedTensor) -> None:
             local = redistribute_local(grad._local_tensor, grad.shape, grad._placement, target)
             p.grad = ShardedTensor(local, target, grad.shape)
 
-    if param.__dict__.get("_keeps_grad_placement") == id(param):
-        return  # hooked already (a copy's flag, copied with __dict__, names the original)
-    param.__dict__["_keeps_grad_placement"] = id(param)
     strides = param.stride()
 
     def same_strides(grad: torch.Tensor) -> torch.Tensor:

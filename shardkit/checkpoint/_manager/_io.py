@@ -15,18 +15,12 @@ from .._core._storage import FileSystemReader, FileSystemWriter
 if TYPE_CHECKING:
     from ._manager import CheckpointManager
 
-__all__ = ["is_committed_step", "load_step", "save_step", "save_step_async"]
-
-
-def is_committed_step(store, step: int) -> bool:
-    """The core's ``is_committed`` for one step: metadata parses, every file has its size."""
-    from .._core._load import is_committed
-
-    return is_committed(store.step_url(step), storage_options=store.storage_options)
+__all__ = ["load_step", "save_step", "save_step_async", "why_step_not_committed"]
 
 
 def why_step_not_committed(store, step: int) -> str | None:
-    """The core's reason why ``step`` is not committed, or None when it is."""
+    """The core's check of ``step`` (committed metadata, every file with its size): None
+    when it passes, else the first check it fails, naming the file."""
     from .._core._load import why_not_committed
 
     return why_not_committed(store.step_url(step), storage_options=store.storage_options)

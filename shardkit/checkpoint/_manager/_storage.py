@@ -118,9 +118,9 @@ class StepStore:
 
     def is_committed(self, step: int) -> bool:
         """The core's check: committed metadata whose files all exist with their sizes."""
-        from ._io import is_committed_step
+        from ._io import why_step_not_committed
 
-        return is_committed_step(self, step)
+        return why_step_not_committed(self, step) is None
 
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending; incomplete directories are never listed.
@@ -139,9 +139,10 @@ class StepStore:
                 continue
             if not ok and self.has_marker(step):
                 # committed between the two checks (a writer's commit), or damaged
-                ok = self._committed_quietly(step)
+                why = self._why_not_committed_quietly(step)
+                ok = why is None
                 if not ok and self.has_marker(step):
-                    self._warn_once(step, f"its checkpoint is damaged: {self._damage(step)}")
+                    self._warn_once(step, f"its checkpoint is damaged: {why}")
             if ok:
                 steps.append(step)
         return steps
@@ -170,18 +171,16 @@ class StepStore:
         return aborted
 
     def _committed_quietly(self, step: int) -> bool:
-        if self.local and not self._marker_is_plain_file(step):
-            return False
-        try:
-            return self.is_committed(step)
-        except Exception:
-            return False
+        return self._why_not_committed_quietly(step) is None
 
-    def _damage(self, step: int) -> str:
+    def _why_not_committed_quietly(self, step: int) -> str | None:
+        """None when ``step`` is committed, else why not; never raises."""
         from ._io import why_step_not_committed
 
+        if self.local and not self._marker_is_plain_file(step):
+            return f"its {METADATA_FILE} is not a regular file"
         try:
-            return why_step_not_committed(self, step) or "it changed while being checked"
+            return why_step_not_committed(self, step)
         except Exception as exc:
             return str(exc)
 
