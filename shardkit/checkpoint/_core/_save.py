@@ -18,7 +18,6 @@ import torch
 import xxhash
 
 from ... import runtime
-from ...spmd.layout import Box
 from ._comm import Comm
 from ._errors import CheckpointError
 from ._file_plan import assign_files as _assign_files
@@ -28,20 +27,13 @@ from ._file_plan import max_file_bytes
 from ._file_plan import tensor_name as _tensor_name
 from ._flatten import Flat, flatten
 from ._format import (
-    METADATA_FILE,
-    ChunkMeta,
     Metadata,
-    ObjectMeta,
-    TensorMeta,
     block_rows_for,
-    decode_value,
-    dtype_from_name,
     dtype_name,
     encode_value,
     row_bytes,
     safetensors_header,
 )
-from ._incremental import linked_version, links_from_replies
 from ._planner import DefaultSavePlanner, SavePlan, SavePlanner, WriteItem
 from ._replicas import (
     ReplicaPlan,
@@ -55,12 +47,13 @@ from ._replicas import (
     replica_mismatches,
     warn_mismatches,
 )
+from ._save_metadata import build_metadata, entries
 from ._storage import FileSystemWriter, StorageWriter, refuse_per_process, resolve_storage
+from ._superseded import join_cleanups, remove_superseded
 from ._torch_args import check_no_dist
 
 __all__ = ["save"]
 
-_OWN_PREFIXES = ("data-", "objects-", f"{METADATA_FILE}.tmp-")
 _PIECE_BYTES = 1 << 20
 _inflight_lock = threading.Lock()
 _inflight: Future | None = None
@@ -111,7 +104,7 @@ class SaveJob:
     #: called once the data is written, before the write agreement: raises to fail the
     #: save on every rank (a zero-stall save's last check of its sources)
     before_commit: Callable[[], None] | None = None
-    #: ``time.time()`` when planning began (see ``_remove_superseded``)
+    #: ``time.time()`` when planning began (see ``_superseded.remove_superseded``)
     started: float = field(default_factory=time.time)
     #: the checkpoint directory did not exist when the save was planned: a failed save
     #: removes it again (once empty), leaving nothing behind
@@ -176,7 +169,7 @@ def prepare(
         planner.set_up_planner(flat, rank=comm.rank, world_size=comm.world_size)
         payload = {"plan": planner.create_local_plan().to_json()}
         payload["value_keys"] = xxhash.xxh3_64_hexdigest(
-            repr(sorted(_entries(flat.values))).encode()
+            repr(sorted(entries(flat.values))).encode()
         )
         payload["object_keys"] = sorted(flat.objects)
         if comm.world_size > 1 and replicas == "before":
@@ -356,7 +349,7 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
         # (ENOSPC) is not kept full by them until some later save succeeds.
         _discard(writer, job)
         raise
-    metadata = _build_metadata(job, replies)
+    metadata = build_metadata(job.save_id, job.world_size, replies)
     error = None
     if job.is_coordinator:
         encoded = metadata.to_json()
@@ -367,7 +360,7 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
             _discard_uncommitted(writer, job, replies, encoded)
     comm.agree(error, "committing the checkpoint metadata")
     if job.is_coordinator:
-        _remove_superseded(writer, metadata, job.started)
+        remove_superseded(writer, metadata, job.started)
     return metadata
 
 
@@ -473,120 +466,6 @@ def _write_objects(job: SaveJob, writer: StorageWriter, sizes: dict[str, int]) -
     writer.write_file(name, parts)
     sizes[name] = pos
     return {k: {"file": name, **v} for k, v in out.items()}
-
-
-def _build_metadata(job: SaveJob, replies: list[dict]) -> Metadata:
-    coord = replies[0]
-    md = Metadata(
-        save_id=job.save_id,
-        world_size=job.world_size,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
-    chunks: dict[str, list[ChunkMeta]] = {}
-    shapes: dict[str, tuple] = {}
-    for reply in replies:
-        md.files.update(reply["files"])
-        for c in reply["chunks"]:
-            shapes[c["key"]] = (dtype_from_name(c["dtype"], c["key"]), tuple(c["shape"]))
-            chunks.setdefault(c["key"], []).append(
-                ChunkMeta(
-                    box=_box(c),
-                    file=c["file"],
-                    name=c["name"],
-                    offset=c["offset"],
-                    nbytes=c["nbytes"],
-                    block_rows=c["block_rows"],
-                    checksums=tuple(c["xxh3_64"]),
-                )
-            )
-    for key in sorted(chunks):
-        dtype, shape = shapes[key]
-        ordered = sorted(chunks[key], key=lambda c: c.box.offsets)
-        md.tensors[key] = TensorMeta(dtype, shape, tuple(ordered))
-    md.linked = links_from_replies(replies)
-    md.version = linked_version(md.linked) or md.version
-    md.values = {k: decode_value(v) for k, v in coord.get("values", {}).items()}
-    for reply in replies[1:]:  # entries rank 0 lacks: the lowest rank holding one wins
-        _add_missing(md.values, {k: decode_value(v) for k, v in reply.get("values", {}).items()})
-    md.objects = {  # each rank sent only keys no lower rank holds
-        k: ObjectMeta(o["file"], o["offset"], o["nbytes"], o["xxh3_64"])
-        for reply in replies
-        for k, o in reply.get("objects", {}).items()
-    }
-    return md
-
-
-def _entries(values: dict, prefix: tuple = ()) -> list[tuple]:
-    """Every entry path of ``values``, into nested dicts (as torch flattens them)."""
-    out = []
-    for k, v in values.items():
-        path = (*prefix, repr(k))
-        out.append(path)
-        if isinstance(v, dict):
-            out += _entries(v, path)
-    return out
-
-
-def _add_missing(into: dict, other: dict) -> None:
-    """``other``'s entries that ``into`` lacks, into nested dicts too; ``into`` wins."""
-    for k, v in other.items():
-        if k not in into:
-            into[k] = v
-        elif isinstance(into[k], dict) and isinstance(v, dict):
-            _add_missing(into[k], v)
-
-
-def _modified_before(path: str, when: float) -> bool:
-    try:
-        return os.stat(path).st_mtime < when
-    except OSError:  # gone already
-        return False
-
-
-def _box(c: dict) -> Box:
-    return Box(tuple(c["offsets"]), tuple(c["sizes"]))
-
-
-_cleanups: list[threading.Thread] = []
-
-
-def join_cleanups() -> None:
-    """Wait for background deletions of superseded files started by earlier saves."""
-    while _cleanups:
-        _cleanups.pop().join()
-
-
-def _remove_superseded(writer: StorageWriter, metadata: Metadata, started: float) -> None:
-    """Delete the files the new metadata does not name, in the background.
-
-    The list is taken now, right after the commit; deleting ~1 GiB takes a noticeable
-    part of a save on ext4, and nothing needs to wait for it. A local file modified
-    after this save started is kept: it belongs to a save running beside this one
-    (processes saving into one directory with ``no_dist=True``), whose commit may
-    come after this one and would otherwise name deleted files.
-    """
-
-    def remove(stale: list[str]) -> None:
-        try:
-            writer.remove_files(stale)
-        except Exception as exc:  # the new checkpoint is committed; leftovers are harmless
-            warnings.warn(f"could not remove files of superseded saves: {exc}", stacklevel=2)
-
-    try:
-        stale = [
-            n
-            for n in writer.list_files()
-            if n.startswith(_OWN_PREFIXES) and n not in metadata.files
-        ]
-        if isinstance(writer, FileSystemWriter) and writer.local:
-            stale = [n for n in stale if _modified_before(writer.join(n), started)]
-    except Exception as exc:
-        warnings.warn(f"could not list files of superseded saves: {exc}", stacklevel=3)
-        return
-    if stale:
-        thread = threading.Thread(target=remove, args=(stale,), name="shardkit-ckpt-cleanup")
-        thread.start()
-        _cleanups[:] = [t for t in _cleanups if t.is_alive()] + [thread]
 
 
 def save(
