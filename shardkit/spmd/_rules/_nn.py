@@ -499,7 +499,7 @@ def _mse_backward(func, args, kwargs):
     from .._dispatch import dispatch
 
     grad, x, target, reduction = args
-    scale = 2.0 / x.numel() if reduction == 1 else 2.0
+    scale = 2.0 / max(x.numel(), 1) if reduction == 1 else 2.0  # no rows: an empty gradient
     diff = dispatch(aten.sub.Tensor, (x, target), {})
     scaled = dispatch(aten.mul.Tensor, (diff, scale), {})
     return dispatch(aten.mul.Tensor, (scaled, grad), {})

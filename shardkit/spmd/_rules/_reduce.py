@@ -54,6 +54,37 @@ def _reduce(st, dims, keepdim, op: str, local_fn, identity=None):
     return wrap(result, out, out_shape)
 
 
+def _fp32_sum(st, dims, keepdim, local_fn):
+    """An fp16/bf16 sum over sharded dims, summed in fp32 and rounded once.
+
+    torch accumulates such sums in fp32 and rounds once; a pending sum in the tensor's
+    own dtype would round each rank's partial and then the total, up to ten times
+    torch's error on a few hundred rows. So the fp32 partials are summed at once.
+    """
+    out = _reduce(st, dims, keepdim, "sum", local_fn)
+    whole = out._placement.without_partial()
+    return wrap(local_under(out, whole).to(st.dtype), whole, out.shape)
+
+
+def _rounds_per_rank(st, dims, dtype) -> bool:
+    return (
+        dtype is None
+        and st.dtype in (torch.float16, torch.bfloat16)
+        and any(st._placement.spec[d] for d in dims)
+    )
+
+
+def _check_as_torch(func, st, args, kwargs, *, empty: bool) -> None:
+    """Raise torch's own error where torch refuses the call outright.
+
+    ``empty``: a reduction without an identity over a dim of global size 0; the
+    shard-local identity would otherwise answer for a reduction torch refuses. Either
+    check runs on a tensor of no data: 0 elements, or the meta device.
+    """
+    probe = torch.empty(st.shape, dtype=st.dtype, device="cpu" if empty else "meta")
+    func(probe, *args[1:], **kwargs)
+
+
 def _lowest(dtype):
     if dtype == torch.bool:
         return False
@@ -79,6 +110,10 @@ def _sum(func, args, kwargs):
         return wrap(func(st._local_tensor, *args[1:], **kwargs), st._placement, ())
     if not dims:
         return Declined("an empty dim list")
+    if _rounds_per_rank(st, dims, dtype):
+        return _fp32_sum(
+            st, dims, keepdim, lambda t: aten.sum.dim_IntList(t, dims, keepdim, dtype=torch.float32)
+        )
     return _reduce(
         st, dims, keepdim, "sum", lambda t: aten.sum.dim_IntList(t, dims, keepdim, dtype=dtype)
     )
@@ -95,7 +130,16 @@ def _mean(func, args, kwargs):
     if not dims:
         return Declined("an empty dim list")
     dtype = kwargs.get("dtype")
+    if dtype is None and not (st.dtype.is_floating_point or st.dtype.is_complex):
+        _check_as_torch(func, st, args, kwargs, empty=False)  # torch refuses integer means
     count = math.prod(st.shape[d] for d in dims)
+    if _rounds_per_rank(st, dims, dtype):
+        return _fp32_sum(
+            st,
+            dims,
+            keepdim,
+            lambda t: aten.sum.dim_IntList(t, dims, keepdim, dtype=torch.float32) / count,
+        )
 
     def local_fn(t):
         return aten.sum.dim_IntList(t, dims, keepdim, dtype=dtype) / count
@@ -108,6 +152,8 @@ def _amax(func, args, kwargs):
     st = args[0]
     dims = _dims(st, args[1] if len(args) > 1 else kwargs.get("dim", ()))
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if any(st.shape[d] == 0 for d in dims):
+        _check_as_torch(func, st, args, kwargs, empty=True)
     is_max = func is aten.amax.default
     return _reduce(
         st,
@@ -126,6 +172,8 @@ def _max_all(func, args, kwargs):
     is_max = func is aten.max.default
     if not dims:
         return Declined("a 0-dim tensor")
+    if st.numel() == 0:
+        _check_as_torch(func, st, args, kwargs, empty=True)
     reducer = aten.amax.default if is_max else aten.amin.default
     return _reduce(
         st,
@@ -178,6 +226,8 @@ def _vector_norm(func, args, kwargs):
         )
         return wrap(local, Placement(p.mesh, spec), _out_shape(st.shape, dims, keepdim))
     if ord_ in (math.inf, -math.inf):
+        if any(st.shape[d] == 0 for d in dims):
+            _check_as_torch(func, st, args, kwargs, empty=True)
         op = "max" if ord_ > 0 else "min"
         return _reduce(
             st,
