@@ -65,12 +65,18 @@ class _Bucket:
         self.future: torch.futures.Future | None = None
 
     def views_of(self, buffer: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One view per member parameter into a flat ``buffer`` laid out like this bucket."""
+        """One view per member parameter into a flat ``buffer`` laid out like this bucket.
+
+        A view has its parameter's strides where the parameter is dense (transposed,
+        channels_last), as torch's bucket views do, so ``gradient_as_bucket_view``
+        gradients keep the parameter's memory format; otherwise it is row-major.
+        """
         views, offset = [], 0
         for i in self.members:
-            n = params[i].numel()
-            views.append(buffer[offset : offset + n].view(params[i].shape))
-            offset += n
+            p = params[i]
+            strides = torch.empty_like(p, device="meta").stride()  # torch's preserve_format
+            views.append(buffer.as_strided(p.shape, strides, buffer.storage_offset() + offset))
+            offset += p.numel()
         return views
 
 
