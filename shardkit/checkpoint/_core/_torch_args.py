@@ -114,17 +114,18 @@ class FileSystemWriter(_BaseWriter):
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.cache_staged_state_dict = bool(cache_staged_state_dict)
         self.overwrite = bool(overwrite)
-        self._overwrite_checked = False
 
     def _check_overwrite(self) -> None:
-        if self.overwrite or self._overwrite_checked:
+        # checked at every file, never cached: one writer serves many saves (torch's
+        # ``save(..., checkpoint_id=step_dir, storage_writer=writer)`` loop), and the
+        # directory may hold a checkpoint by the next save
+        if self.overwrite:
             return
         if METADATA_FILE in self.list_files():
             raise CheckpointError(
                 f"a checkpoint already exists at {self!r} and FileSystemWriter(overwrite=False); "
                 "save to a new path, or pass overwrite=True"
             )
-        self._overwrite_checked = True
 
     def write_file(self, name: str, parts: Iterable[memoryview]) -> None:
         """Write one data file (refused with ``overwrite=False`` over a checkpoint)."""

@@ -28,7 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ... import runtime
 from .._core._errors import CheckpointError
-from .._core._storage import parse_json, read_small_file
+from .._core._storage import parse_json, publish_file, read_small_file
 
 __all__ = ["LEASE_FILE", "Lease", "LeaseHeldError", "LeaseLostError"]
 
@@ -106,7 +106,7 @@ class Lease:
             doc = None
         if not isinstance(doc, dict) or not isinstance(doc.get("owner"), str):
             log.warning("ignoring an unreadable lease file %s", self.path)
-            return {"owner": None, "expires": 0}
+            return {"owner": None, "expires": 0, "unreadable": True}
         return doc
 
     def _doc(self) -> dict:
@@ -123,7 +123,7 @@ class Lease:
         raw = json.dumps(self._doc(), sort_keys=True).encode()
         if not self.local:
             self.fs.makedirs(self.root, exist_ok=True)
-            self.fs.pipe_file(self.path, raw)  # one PUT: atomic on object stores
+            publish_file(self.fs, self.path, raw)
             return True
         os.makedirs(self.root, exist_ok=True)
         tmp = f"{self.path}.tmp-{uuid.uuid4().hex}"
@@ -195,6 +195,12 @@ class Lease:
         if self.lost is not None:
             raise self.lost
         current = self.read()
+        if current is not None and current.get("unreadable"):
+            # torn by a failed write (ours, on a store without atomic writes): no other
+            # writer is named, so the holder puts its lease back rather than stop saving
+            log.warning("rewriting the unreadable lease %s, held by this manager", self.path)
+            self._write(exclusive=False)
+            return
         if current is None or current.get("owner") != self.owner:
             self.held = False
             self.lost = LeaseLostError(

@@ -28,7 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .._core._errors import CheckpointError
 from .._core._format import METADATA_FILE
-from .._core._storage import parse_json, read_small_file
+from .._core._storage import parse_json, publish_file, read_small_file, refuse_glob_characters
 
 __all__ = ["StepStore"]
 
@@ -40,6 +40,14 @@ _MAX_METRICS_BYTES = 1 << 20
 log = logging.getLogger(__name__)
 
 
+def _without_trailing_slash(url: str) -> str:
+    """``url`` without trailing slashes, but never a protocol's: ``memory://`` stays."""
+    protocol, sep, path = url.rpartition("://")
+    if sep:
+        return f"{protocol}{sep}{path.rstrip('/')}"
+    return url.rstrip("/") or url
+
+
 def step_dir_name(step: int) -> str:
     """``step_00000042``; steps of more than 8 digits simply get longer names."""
     return f"step_{step:08d}"
@@ -49,11 +57,16 @@ class StepStore:
     """Lists, commits-checks, cleans and deletes step directories under one URL."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None):
-        self.url = url.rstrip("/") or url
+        self.url = _without_trailing_slash(url)
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.root = self.root.rstrip("/") or self.root
         self.local = isinstance(self.fs, LocalFileSystem)
+        refuse_glob_characters(self.fs, self.url)
+        if self.local and "://" not in self.url and "::" not in self.url:
+            # every step URL is built from this: relative, a later os.chdir (Hydra,
+            # launchers) would send the steps to another directory than the listing's
+            self.url = os.path.abspath(self.url)
         # The run's name however its URL was spelled ("ckpt" from some directory,
         # "file:///abs/ckpt", a symlinked parent): the RAM tier keys its copies by it, so
         # two runs never take each other's copies and one run always finds its own.
@@ -125,27 +138,41 @@ class StepStore:
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending; incomplete directories are never listed.
 
-        A step whose checkpoint cannot even be checked (malformed metadata, unreadable
-        files) is skipped with a warning, so the good steps stay usable.
+        A damaged step (malformed metadata, a missing or cut-short file, a file it may
+        not read) is skipped with a warning, so the good steps stay usable. A storage
+        error (an I/O error, a timeout, a lost connection) raises ``CheckpointError``:
+        a step that is there but could not be read this time is not damaged, and a
+        resume point must never be guessed from a partial listing.
         """
         steps = []
         for step in self.list_step_dirs():
             if self.local and not self._marker_is_plain_file(step):
                 continue
-            try:
-                ok = self.is_committed(step)
-            except Exception as exc:
-                self._warn_once(step, f"its checkpoint cannot be checked: {exc}")
-                continue
-            if not ok and self.has_marker(step):
+            why = self._why_not_listed(step)
+            if why is not None and self.has_marker(step):
                 # committed between the two checks (a writer's commit), or damaged
-                why = self._why_not_committed_quietly(step)
-                ok = why is None
-                if not ok and self.has_marker(step):
+                why = self._why_not_listed(step)
+                if why is not None and self.has_marker(step):
                     self._warn_once(step, f"its checkpoint is damaged: {why}")
-            if ok:
+            if why is None:
                 steps.append(step)
         return steps
+
+    def _why_not_listed(self, step: int) -> str | None:
+        from ._io import why_step_not_committed
+
+        try:
+            return why_step_not_committed(self, step)
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
+            return f"it cannot be read: {exc}"  # gone meanwhile, or for good
+        except OSError as exc:
+            raise CheckpointError(
+                f"reading step {step} under {self.url} failed ({type(exc).__name__}: {exc}); "
+                "the steps cannot be listed while the storage fails. Retry when it answers; "
+                f"if that step is lost for good, move {step_dir_name(step)} out of the run"
+            ) from exc
+        except Exception as exc:  # noqa: BLE001 - hostile metadata: the step is unusable
+            return f"it cannot be checked: {exc}"
 
     def abort_stale_uploads(self) -> int:
         """Abort unfinished S3 multipart uploads into step directories; returns how many.
@@ -259,7 +286,7 @@ class StepStore:
         path = self._step_path(step)
         marker = f"{path}/{METADATA_FILE}"
         if self.fs.exists(marker):
-            self.fs.rm(marker)
+            self.fs.rm_file(marker)
         self._remove_unreferenced(step, (referenced or {}).get(step_dir_name(step), set()))
 
     def _remove_unreferenced(self, step: int, keep: set[str]) -> bool:
@@ -300,7 +327,7 @@ class StepStore:
         path = self._step_path(step)
         if not self.local:
             self.fs.makedirs(path, exist_ok=True)
-            self.fs.pipe_file(f"{path}/{MANAGER_FILE}", payload.encode())
+            publish_file(self.fs, f"{path}/{MANAGER_FILE}", payload.encode())
             return
         if os.path.islink(path):
             raise CheckpointError(f"{path} is a symlink; refusing to write through it")
