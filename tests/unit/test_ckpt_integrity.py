@@ -169,6 +169,8 @@ def test_bad_arguments_name_the_fix(tmp_path):
         dcp.save([torch.ones(1)], checkpoint_id=tmp_path)
     with pytest.raises(TypeError, match="'c'.*complex"):
         dcp.save({"c": torch.ones(2, dtype=torch.complex64)}, checkpoint_id=tmp_path)
+    with pytest.raises(TypeError, match=r"'f'.*view\(torch.uint8\)"):  # no safetensors name
+        dcp.save({"f": torch.zeros(2).to(torch.float8_e4m3fnuz)}, checkpoint_id=tmp_path)
     with pytest.raises(ValueError, match=r"'a\.b'"):
         dcp.save({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, checkpoint_id=tmp_path)
     assert os.listdir(tmp_path) == []

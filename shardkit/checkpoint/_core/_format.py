@@ -62,9 +62,16 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _DTYPES.items()}
 def dtype_name(dtype: torch.dtype, key: str) -> str:
     """The metadata name of a dtype (``"float32"``); refuses dtypes safetensors cannot hold."""
     if dtype not in _DTYPES:
+        how = (
+            "save torch.view_as_real(t) and load it back with torch.view_as_complex"
+            if dtype.is_complex
+            else f"save t.view(torch.uint8) and .view({dtype}) it back after loading"
+            if dtype.itemsize == 1
+            else "convert the tensor to a supported dtype"
+        )
         raise TypeError(
             f"key {key!r}: dtype {dtype} cannot be stored in safetensors; supported: "
-            f"{sorted(_BY_NAME)}. Convert the tensor (e.g. a complex one with torch.view_as_real)"
+            f"{sorted(_BY_NAME)}. To save it, {how}"
         )
     return str(dtype).removeprefix("torch.")
 
