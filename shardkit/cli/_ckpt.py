@@ -256,9 +256,11 @@ def _shared(md) -> str:
 def cmd_materialize(args: argparse.Namespace) -> int:
     """Copy a checkpoint, inlining the chunks it references in other step directories."""
     from ..checkpoint.format_utils import materialize
+    from ._ckpt_output import staged_output
 
     require_checkpoint_dir(args.src)
-    md = materialize(args.src, args.dst)
+    with staged_output(args.dst, directory=True) as out:  # no partial copy left on failure
+        md = materialize(args.src, out)
     print(f"wrote {args.dst}: {human_bytes(sum(md.files.values()))} in {len(md.files)} files")
     return 0
 
