@@ -1,10 +1,12 @@
-"""`shardkit ckpt` when storage fails: a full disk or file-size limit while writing
-(storage audit, items 9-11).
+"""`shardkit ckpt` when storage fails: a full disk or file-size limit while writing, a
+store that cannot be accessed (storage audit, items 9-12).
 
 - ``convert`` to a ``.pt`` file on a full disk exited 4 ("internal error, please report")
   with torch's ``inline_container.cc ... unexpected pos`` instead of the OS error.
 - ``materialize`` left its partial copy on a full disk (the disk stayed full).
 - Disk-full errors of writes through fsspec (``convert`` to safetensors) named no file.
+- Missing cloud credentials (botocore's NoCredentialsError) and an fsspec backend that
+  is not installed exited 4, "a bug in shardkit".
 
 A full disk is a file-size limit (``RLIMIT_FSIZE``, EFBIG) set in a child process: no
 root, no tmpfs. Everything else runs in-process through ``main(argv)``.
@@ -92,3 +94,31 @@ def test_convert_and_materialize_still_write_their_output(big, tmp_path):
     (tmp_path / "empty").mkdir()  # an existing empty directory is materialized into
     shardkit("ckpt", "materialize", big, tmp_path / "empty", code=0)
     assert sorted(os.listdir(tmp_path)) == ["empty", "mat", "out.pt"]
+
+
+def test_missing_cloud_credentials_are_a_storage_error_naming_the_url(monkeypatch):
+    s3fs = pytest.importorskip("s3fs")
+    for name in list(os.environ):
+        if name.startswith("AWS_") and name != "AWS_CA_BUNDLE":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata probe
+    s3fs.S3FileSystem.clear_instance_cache()  # no client made with another test's keys
+    try:
+        url = "s3://no-such-bucket-shardkit-test/run"
+        line = _error_line(shardkit("ckpt", "ls", url, code=2))
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert line == f"shardkit: error: cannot access {url}: Unable to locate credentials"
+
+
+def test_a_missing_fsspec_backend_is_a_storage_error():
+    try:
+        import gcsfs  # noqa: F401
+
+        pytest.skip("gcsfs is installed")
+    except ImportError:
+        pass
+    line = _error_line(shardkit("ckpt", "ls", "gs://b/run", code=2))
+    assert line.startswith("shardkit: error: cannot access gs://b/run: ") and "gcsfs" in line
