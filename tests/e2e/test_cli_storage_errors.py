@@ -1,5 +1,6 @@
 """`shardkit ckpt` when storage fails: a full disk or file-size limit while writing, a
-store that cannot be accessed (storage audit, items 9-12).
+store that cannot be accessed, and the exit codes of docs/cli.md (storage audit, items
+9-13).
 
 - ``convert`` to a ``.pt`` file on a full disk exited 4 ("internal error, please report")
   with torch's ``inline_container.cc ... unexpected pos`` instead of the OS error.
@@ -7,6 +8,8 @@ store that cannot be accessed (storage audit, items 9-12).
 - Disk-full errors of writes through fsspec (``convert`` to safetensors) named no file.
 - Missing cloud credentials (botocore's NoCredentialsError) and an fsspec backend that
   is not installed exited 4, "a bug in shardkit".
+- ``ls`` exited 0 on a DAMAGED step; docs/cli.md gives damaged checkpoints status 3.
+- ``verify``'s last line repeated the checkpoint's path.
 
 A full disk is a file-size limit (``RLIMIT_FSIZE``, EFBIG) set in a child process: no
 root, no tmpfs. Everything else runs in-process through ``main(argv)``.
@@ -122,3 +125,32 @@ def test_a_missing_fsspec_backend_is_a_storage_error():
         pass
     line = _error_line(shardkit("ckpt", "ls", "gs://b/run", code=2))
     assert line.startswith("shardkit: error: cannot access gs://b/run: ") and "gcsfs" in line
+
+
+def _truncate_a_file(step):
+    md = dcp.read_metadata(step)
+    name = md.tensors["w"].chunks[0].file
+    (step / name).write_bytes((step / name).read_bytes()[:-4])
+    return name
+
+
+def test_ls_exits_3_on_a_damaged_step_but_0_on_an_incomplete_one(tmp_path):
+    run = tmp_path / "run"
+    for step in (1, 2):
+        dcp.save({"w": torch.arange(8.0)}, checkpoint_id=run / f"step_{step:08d}")
+    (run / "step_00000003").mkdir()  # an interrupted save: never committed, not damage
+    assert "incomplete" in shardkit("ckpt", "ls", run, code=0).stdout
+    _truncate_a_file(run / "step_00000002")
+    listing = shardkit("ckpt", "ls", run, code=3)
+    rows = {line.split()[0]: line for line in listing.stdout.splitlines()[1:]}
+    assert rows["1"].endswith("committed") and "DAMAGED" in rows["2"]  # the whole table
+    assert "step 2" in listing.stderr and "truncated" in listing.stderr
+
+
+def test_verify_names_the_checkpoint_once(tmp_path):
+    ckpt = tmp_path / "c"
+    dcp.save({"w": torch.arange(8.0)}, checkpoint_id=ckpt)
+    name = _truncate_a_file(ckpt)
+    line = _error_line(shardkit("ckpt", "verify", "--no-progress", ckpt, code=1))
+    assert line.count(str(ckpt)) == 1, line
+    assert line.startswith(f"shardkit: error: {ckpt}: file {name} is ")
