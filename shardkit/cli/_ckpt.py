@@ -197,7 +197,9 @@ def _table(rows: list[list[str]], right: set[int]) -> str:
 
 # -- ls -----------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
-    """Steps under a CheckpointManager directory, with creation times and sizes."""
+    """Steps under a CheckpointManager directory, with creation times and sizes.
+
+    Exits 3 after the listing when a committed step is damaged."""
     fs, root = require_exists(args.path)
     if fs.exists(f"{root}/{METADATA_FILE}"):
         raise CliError(
@@ -224,6 +226,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(_table(rows, right={0, 2, 3, 4}))
     for line in damaged:
         print(f"WARNING {printable(line)}", file=sys.stderr)
+    if damaged:  # docs/cli.md: a damaged checkpoint is status 3 (incomplete steps are not)
+        from ._main import EXIT_DAMAGED
+
+        return EXIT_DAMAGED
     return 0
 
 
@@ -256,9 +262,11 @@ def _shared(md) -> str:
 def cmd_materialize(args: argparse.Namespace) -> int:
     """Copy a checkpoint, inlining the chunks it references in other step directories."""
     from ..checkpoint.format_utils import materialize
+    from ._ckpt_output import staged_output
 
     require_checkpoint_dir(args.src)
-    md = materialize(args.src, args.dst)
+    with staged_output(args.dst, directory=True) as out:  # no partial copy left on failure
+        md = materialize(args.src, out)
     print(f"wrote {args.dst}: {human_bytes(sum(md.files.values()))} in {len(md.files)} files")
     return 0
 
@@ -519,7 +527,9 @@ def _verify_one(path: str, no_progress: bool) -> int:
         for line in failures:
             print(f"FAILED {line}", file=sys.stderr)
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        raise VerifyFailed(f"{path}: {failures[0]}{more}")
+        first = failures[0]  # a file check's message names the checkpoint already
+        named = first.startswith((f"{path}:", f"{getattr(reader, 'url', path)}:"))
+        raise VerifyFailed(f"{first if named else f'{path}: {first}'}{more}")
     chunks = sum(len(t.chunks) for t in md.tensors.values())
     print(f"OK {path}: {len(md.tensors)} tensors, {chunks} chunks, {human_bytes(total)} verified")
     return 0

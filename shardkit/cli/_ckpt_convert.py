@@ -14,6 +14,7 @@ import struct
 import tempfile
 from collections.abc import Iterator
 
+from ._ckpt_output import staged_output
 from ._main import CliError, printable
 
 __all__ = ["FORMATS_FROM", "FORMATS_TO", "cmd_convert", "cmd_diff", "detect_format"]
@@ -103,9 +104,35 @@ def _from_shardkit(src: str, fmt: str, dst: str) -> None:
     if fmt == "safetensors":
         fu.to_safetensors(src, dst, progress=True)
     elif fmt == "torch":
-        fu.dcp_to_torch_save(src, dst, progress=True)
+        _to_torch_file(src, dst)
     else:
         raise AssertionError(fmt)
+
+
+def _to_torch_file(src: str, dst: str) -> None:
+    """``format_utils.dcp_to_torch_save``, but written through :func:`write_torch_file`:
+    torch.save given a path turns a full disk into ``RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos`` (a "bug", exit 4) instead of ENOSPC naming DST."""
+    from ..checkpoint._convert._convert import _refuse_objects
+    from ..checkpoint._convert._io import (
+        checkpoint_metadata,
+        progress_bar,
+        read_full,
+        read_objects,
+    )
+    from ._ckpt_output import write_torch_file
+
+    metadata, reader = checkpoint_metadata(src)
+    _refuse_objects(metadata, False, "dcp_to_torch_save")
+    out: dict[str, object] = {}
+    with progress_bar(len(metadata.keys()), "dcp_to_torch_save", True) as bar:
+        for batch in read_full(reader, metadata, list(metadata.tensors), reuse=False):
+            out.update(batch)
+            bar.update(len(batch))
+        out.update(metadata.values)
+        out.update(read_objects(reader, list(metadata.objects)))
+        bar.update(len(metadata.values) + len(metadata.objects))
+    write_torch_file({k: out[k] for k in metadata.keys()}, dst)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -125,20 +152,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     fs, root = _fs(args.dst)
     if fs.exists(root) and not args.overwrite:
         raise CliError(f"{args.dst} already exists; pass --overwrite to replace it")
-    existed = fs.exists(root)
-    try:
+    # written under a temporary name and renamed into place: a failure (a full disk, a
+    # damaged source) leaves no half-written output and an overwritten DST intact
+    with staged_output(args.dst, directory=dst_fmt == "shardkit") as out:
         if src_fmt == "shardkit":
-            _from_shardkit(args.src, dst_fmt, args.dst)
+            _from_shardkit(args.src, dst_fmt, out)
         elif dst_fmt == "shardkit":
-            _to_shardkit(args.src, src_fmt, args.dst)
+            _to_shardkit(args.src, src_fmt, out)
         else:  # e.g. torch -> safetensors: through a temporary shardkit checkpoint on disk
             with tempfile.TemporaryDirectory(prefix="shardkit-convert-") as tmp:
                 _to_shardkit(args.src, src_fmt, tmp)
-                _from_shardkit(tmp, dst_fmt, args.dst)
-    except BaseException:
-        if not existed and fs.exists(root):  # no half-written output left behind
-            fs.rm(root, recursive=True)
-        raise
+                _from_shardkit(tmp, dst_fmt, out)
     print(f"wrote {args.dst} ({dst_fmt}, from {src_fmt} {args.src})")
     return 0
 

@@ -5,8 +5,9 @@ Every failure ends in one line on stderr, ``shardkit: error: ...``, never a trac
 Exit codes (docs/cli.md):
 
 0 success; 1 ``verify`` found damage or ``diff`` found differences; 2 usage error (bad
-arguments, a missing path, not a checkpoint); 3 damaged checkpoint (a command other than
-``verify`` could not read it); 4 internal error (a bug: please report it); 130 interrupted.
+arguments, a missing path, not a checkpoint) or storage error (an OSError, or a storage
+backend's own error such as missing cloud credentials); 3 damaged checkpoint (a command
+other than ``verify`` met one); 4 internal error (a bug: please report it); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -136,12 +137,75 @@ def main(argv: list[str] | None = None) -> int:
         return _exit_code(exc)
     except Exception as exc:  # a bug: still one line, the traceback only with --debug
         _traceback_if(args.debug)
+        if is_storage_error(exc):  # the environment (credentials, network), not a bug
+            print(
+                f"shardkit: error: cannot access {_storage_urls(args)}: {_one_line(exc)}",
+                file=sys.stderr,
+            )
+            return EXIT_ERROR
         print(
             f"shardkit: internal error: {type(exc).__name__}: {_one_line(exc)} "
             "(rerun with --debug for the traceback and please report it)",
             file=sys.stderr,
         )
         return EXIT_INTERNAL
+
+
+#: Top-level packages of fsspec and its storage backends (and the clients they use): an
+#: exception of theirs that is no OSError (botocore's NoCredentialsError, ClientError,
+#: EndpointConnectionError; google.auth's DefaultCredentialsError; azure's
+#: ClientAuthenticationError; aiohttp's connection errors, ...) is a storage access error.
+_STORAGE_PACKAGES = frozenset(
+    {
+        "fsspec",
+        "s3fs",
+        "botocore",
+        "aiobotocore",
+        "boto3",
+        "gcsfs",
+        "google",
+        "adlfs",
+        "azure",
+        "ocifs",
+        "oci",
+        "sshfs",
+        "asyncssh",
+        "paramiko",
+        "smbprotocol",
+        "webdav4",
+        "pyarrow",
+        "aiohttp",
+        "requests",
+        "urllib3",
+        "httpx",
+    }
+)
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or a class it derives from) comes from a storage backend, or is
+    an ImportError raised inside one (fsspec's "Install s3fs to access S3")."""
+    if any(cls.__module__.partition(".")[0] in _STORAGE_PACKAGES for cls in type(exc).__mro__):
+        return True
+    if isinstance(exc, ImportError):
+        tb = exc.__traceback__
+        while tb is not None:
+            module = str(tb.tb_frame.f_globals.get("__name__", ""))
+            if module.partition(".")[0] in _STORAGE_PACKAGES:
+                return True
+            tb = tb.tb_next
+    return False
+
+
+def _storage_urls(args: argparse.Namespace) -> str:
+    """The command's paths that are remote URLs (all of its paths when none is)."""
+    paths = [
+        str(p)
+        for p in (getattr(args, name, None) for name in ("path", "src", "dst", "a", "b"))
+        if p is not None
+    ]
+    remote = [p for p in paths if "://" in p and not p.startswith("file://")]
+    return printable(" or ".join(remote or paths) or "the storage")
 
 
 def _traceback_if(debug: bool) -> None:

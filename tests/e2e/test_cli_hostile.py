@@ -94,7 +94,7 @@ def test_manager_directory_damaged_step_is_not_called_uncommitted(tmp_path):
     md = _save(root / "step_00000002")
     _truncate(root / "step_00000002", md)
     (root / "step_00000003").mkdir()  # an interrupted save: never committed
-    ls = shardkit("ckpt", "ls", root, code=0)
+    ls = shardkit("ckpt", "ls", root, code=3)  # a damaged step: status 3
     rows = {line.split()[0]: line for line in ls.stdout.splitlines()[1:]}
     assert rows["1"].endswith("committed") and "DAMAGED" in rows["2"]
     assert "never committed" in rows["3"]

@@ -237,7 +237,7 @@ def test_a_file_size_past_int64_is_damage_not_an_overflow(tmp_path, edit):
         assert f"file {name}: size of 401 digits is not a file size" in line
     verify = shardkit("ckpt", "verify", ckpt, code=1).stderr  # a verify failure
     assert f"FAILED {ckpt}/metadata.json: file {name}: size of 401 digits" in verify
-    listing = shardkit("ckpt", "ls", tmp_path / "run", code=0).stdout
+    listing = shardkit("ckpt", "ls", tmp_path / "run", code=3).stdout
     assert "DAMAGED" in listing
 
 

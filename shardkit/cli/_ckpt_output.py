@@ -1,0 +1,161 @@
+"""Where ``convert`` and ``materialize`` write: never a half-written DST, errors naming it.
+
+A local DST is written under a temporary name next to it (``.NAME.partial-XXXX``) and
+renamed into place only once complete, so a failure (a full disk, a file-size limit, a
+damaged source, Ctrl-C) leaves the old DST, or nothing, and removes the temporary. A
+local directory that already exists, and every DST on another store (a rename there is a
+copy), is written in place; on failure whatever the command added is removed.
+
+Disk-full and file-size errors often come without a file name (a write through fsspec,
+torch's zip writer): they are re-raised naming DST.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["staged_output", "write_torch_file"]
+
+#: Errors that only a write can raise: when one carries no file name, it was DST's.
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS})
+
+
+@contextlib.contextmanager
+def staged_output(dst: str, *, directory: bool) -> Iterator[str]:
+    """Yield the path or URL to write DST's content to; publish it on success.
+
+    ``directory``: DST is a directory (a shardkit checkpoint), not a single file.
+    """
+    from fsspec.implementations.local import LocalFileSystem
+
+    from ._ckpt import fs_and_path
+
+    fs, root = fs_and_path(dst)
+    existed = fs.exists(root)
+    if isinstance(fs, LocalFileSystem) and not (directory and existed):
+        parent, name = os.path.split(root)
+        if directory:  # as a save into a new directory would
+            os.makedirs(parent or ".", exist_ok=True)
+        tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:12]}")
+        try:
+            if directory:
+                os.mkdir(tmp)
+            yield tmp
+            os.replace(tmp, root)
+        except BaseException as exc:
+            _remove_local(tmp)
+            _rename_error(exc, tmp, dst)
+            raise
+        return
+    before = set(fs.find(root, withdirs=True)) if existed else set()
+    try:
+        yield dst
+    except BaseException as exc:
+        _remove_added(fs, root, before, existed)
+        _rename_error(exc, root, dst)
+        raise
+
+
+def _remove_local(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
+def _remove_added(fs, root: str, before: set[str], existed: bool) -> None:
+    """Remove what appeared under ``root`` since ``before`` (``root`` too unless it
+    ``existed``); best effort, file by file (``fs.rm`` would expand ``[`` ``*`` ``?`` in
+    the names as a glob on some stores)."""
+    with contextlib.suppress(Exception):
+        added = set(fs.find(root, withdirs=True)) - before
+        if not existed:
+            added.add(root)
+        for path in sorted(added, key=len, reverse=True):  # children before parents
+            with contextlib.suppress(Exception):
+                if fs.isdir(path):
+                    fs.rmdir(path)
+                else:
+                    fs.rm_file(path)
+
+
+def _rename_error(exc: BaseException, written: str, dst: str) -> None:
+    """Make an OSError about the temporary name (or about no file at all: a disk-full
+    error through fsspec) name DST instead; raises the renamed error from ``exc``."""
+    if not isinstance(exc, OSError) or exc.errno is None:
+        return
+    name = os.fspath(exc.filename) if isinstance(exc.filename, (str, os.PathLike)) else None
+    if name is None and exc.errno in _WRITE_ERRNOS:
+        name = dst
+    elif name is not None and (name == written or name.startswith(written + os.sep)):
+        name = dst.rstrip("/") + name[len(written) :]
+    else:
+        return
+    raise type(exc)(exc.errno, exc.strerror or os.strerror(exc.errno), name) from exc
+
+
+class _Recorder:
+    """A file-like object for ``torch.save`` that keeps the first error of a write.
+
+    torch's zip writer swallows any exception of the file's ``write`` (and a short write
+    of a full disk) and raises ``RuntimeError: ... unexpected pos N vs M`` instead; this
+    writes every byte or raises, and remembers why."""
+
+    def __init__(self, write) -> None:
+        self._write = write
+        self.error: BaseException | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            done = 0
+            while done < len(view):
+                n = self._write(view[done:])
+                done += len(view) - done if n is None else n
+        except BaseException as exc:
+            self.error = self.error or exc
+            raise
+        return done
+
+    def flush(self) -> None:
+        pass
+
+
+def write_torch_file(obj: Any, target: str) -> None:
+    """``torch.save(obj)`` to ``target`` (a local path or fsspec URL), raising the real
+    cause of a failed write (``OSError(ENOSPC, ..., target)``), not torch's zip error."""
+    import torch
+    from fsspec.implementations.local import LocalFileSystem
+
+    from ._ckpt import fs_and_path
+
+    fs, path = fs_and_path(target)
+    if isinstance(fs, LocalFileSystem):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0))
+        try:
+            out = _Recorder(lambda view: os.write(fd, view))
+            _save(torch, obj, out, target)
+        finally:
+            os.close(fd)
+        return
+    with fs.open(path, "wb") as f:
+        _save(torch, obj, _Recorder(f.write), target)
+
+
+def _save(torch, obj: Any, out: _Recorder, target: str) -> None:
+    try:
+        torch.save(obj, out)
+    except Exception as exc:
+        error = out.error
+        if error is None:
+            raise
+        if isinstance(error, OSError) and error.errno is not None and not error.filename:
+            raise type(error)(error.errno, error.strerror, target) from exc
+        raise error from exc
