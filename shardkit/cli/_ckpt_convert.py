@@ -104,35 +104,9 @@ def _from_shardkit(src: str, fmt: str, dst: str) -> None:
     if fmt == "safetensors":
         fu.to_safetensors(src, dst, progress=True)
     elif fmt == "torch":
-        _to_torch_file(src, dst)
+        fu.dcp_to_torch_save(src, dst, progress=True)
     else:
         raise AssertionError(fmt)
-
-
-def _to_torch_file(src: str, dst: str) -> None:
-    """``format_utils.dcp_to_torch_save``, but written through :func:`write_torch_file`:
-    torch.save given a path turns a full disk into ``RuntimeError: [enforce fail at
-    inline_container.cc] unexpected pos`` (a "bug", exit 4) instead of ENOSPC naming DST."""
-    from ..checkpoint._convert._convert import _refuse_objects
-    from ..checkpoint._convert._io import (
-        checkpoint_metadata,
-        progress_bar,
-        read_full,
-        read_objects,
-    )
-    from ._ckpt_output import write_torch_file
-
-    metadata, reader = checkpoint_metadata(src)
-    _refuse_objects(metadata, False, "dcp_to_torch_save")
-    out: dict[str, object] = {}
-    with progress_bar(len(metadata.keys()), "dcp_to_torch_save", True) as bar:
-        for batch in read_full(reader, metadata, list(metadata.tensors), reuse=False):
-            out.update(batch)
-            bar.update(len(batch))
-        out.update(metadata.values)
-        out.update(read_objects(reader, list(metadata.objects)))
-        bar.update(len(metadata.values) + len(metadata.objects))
-    write_torch_file({k: out[k] for k in metadata.keys()}, dst)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

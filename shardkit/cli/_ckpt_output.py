@@ -6,8 +6,8 @@ damaged source, Ctrl-C) leaves the old DST, or nothing, and removes the temporar
 local directory that already exists, and every DST on another store (a rename there is a
 copy), is written in place; on failure whatever the command added is removed.
 
-Disk-full and file-size errors often come without a file name (a write through fsspec,
-torch's zip writer): they are re-raised naming DST.
+Disk-full and file-size errors often come without a file name (a write through
+fsspec): they are re-raised naming DST.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
-__all__ = ["staged_output", "write_torch_file"]
+__all__ = ["staged_output"]
 
 #: Errors that only a write can raise: when one carries no file name, it was DST's.
 _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS})
@@ -99,63 +98,3 @@ def _rename_error(exc: BaseException, written: str, dst: str) -> None:
     else:
         return
     raise type(exc)(exc.errno, exc.strerror or os.strerror(exc.errno), name) from exc
-
-
-class _Recorder:
-    """A file-like object for ``torch.save`` that keeps the first error of a write.
-
-    torch's zip writer swallows any exception of the file's ``write`` (and a short write
-    of a full disk) and raises ``RuntimeError: ... unexpected pos N vs M`` instead; this
-    writes every byte or raises, and remembers why."""
-
-    def __init__(self, write) -> None:
-        self._write = write
-        self.error: BaseException | None = None
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            done = 0
-            while done < len(view):
-                n = self._write(view[done:])
-                done += len(view) - done if n is None else n
-        except BaseException as exc:
-            self.error = self.error or exc
-            raise
-        return done
-
-    def flush(self) -> None:
-        pass
-
-
-def write_torch_file(obj: Any, target: str) -> None:
-    """``torch.save(obj)`` to ``target`` (a local path or fsspec URL), raising the real
-    cause of a failed write (``OSError(ENOSPC, ..., target)``), not torch's zip error."""
-    import torch
-    from fsspec.implementations.local import LocalFileSystem
-
-    from ._ckpt import fs_and_path
-
-    fs, path = fs_and_path(target)
-    if isinstance(fs, LocalFileSystem):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0))
-        try:
-            out = _Recorder(lambda view: os.write(fd, view))
-            _save(torch, obj, out, target)
-        finally:
-            os.close(fd)
-        return
-    with fs.open(path, "wb") as f:
-        _save(torch, obj, _Recorder(f.write), target)
-
-
-def _save(torch, obj: Any, out: _Recorder, target: str) -> None:
-    try:
-        torch.save(obj, out)
-    except Exception as exc:
-        error = out.error
-        if error is None:
-            raise
-        if isinstance(error, OSError) and error.errno is not None and not error.filename:
-            raise type(error)(error.errno, error.strerror, target) from exc
-        raise error from exc

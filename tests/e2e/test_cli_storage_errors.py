@@ -154,3 +154,30 @@ def test_verify_names_the_checkpoint_once(tmp_path):
     line = _error_line(shardkit("ckpt", "verify", "--no-progress", ckpt, code=1))
     assert line.count(str(ckpt)) == 1, line
     assert line.startswith(f"shardkit: error: {ckpt}: file {name} is ")
+
+
+_LIBRARY_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+from shardkit.checkpoint import format_utils
+try:
+    format_utils.dcp_to_torch_save(sys.argv[1], sys.argv[2], progress=False)
+except OSError as exc:
+    print(type(exc).__name__, exc.errno, exc.filename)
+"""
+
+
+def test_dcp_to_torch_save_on_a_full_disk_raises_the_os_error_and_leaves_nothing(big, tmp_path):
+    # the library call the CLI makes: torch.save given a path raised its zip writer's
+    # RuntimeError ("unexpected pos") and left half a file
+    out = tmp_path / "out.pt"
+    code = _LIBRARY_LIMITED.format(limit=_LIMIT)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(big), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.stdout.split() == ["OSError", "27", str(out)], result.stdout + result.stderr
+    assert os.listdir(tmp_path) == []

@@ -10,7 +10,6 @@ import tempfile
 from typing import Any
 
 import fsspec
-import torch
 
 from .._core._errors import damage_is_corruption
 from .._core._format import encode_value, is_json_value
@@ -32,6 +31,7 @@ from ._io import (
 )
 from ._legacy import check_legacy
 from ._torch_file import TorchFile, check_views, records, torch_load
+from ._torch_write import write_torch_file
 
 __all__ = [
     "dcp_to_torch_save",
@@ -72,12 +72,9 @@ def dcp_to_torch_save(
         out.update(metadata.values)
         out.update(read_objects(reader, list(metadata.objects)))
         bar.update(len(metadata.values) + len(metadata.objects))
-    ordered = {k: out[k] for k in metadata.keys()}
-    if is_local(torch_save_path):
-        torch.save(ordered, os.fspath(torch_save_path).removeprefix("file://"))
-    else:
-        with fsspec.open(os.fspath(torch_save_path), "wb") as f:
-            torch.save(ordered, f)
+    # a full disk raises OSError naming the file (torch's own writer would turn it into
+    # an "unexpected pos" RuntimeError), and a local file is never left half-written
+    write_torch_file({k: out[k] for k in metadata.keys()}, torch_save_path)
 
 
 def _refuse_objects(metadata, allow_pickle: bool | None, what: str) -> None:
