@@ -54,7 +54,12 @@ def test_killed_rank_restarts_resumes_from_ram_and_matches_an_uninterrupted_run(
     summary = text[text.index("shardkit demo summary") :]
     assert f"restart 1           resumed step {step} from: rank 0 local, rank 1 local" in summary
     assert "kill -> first resumed step" in summary and "accuracy" in summary
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000008", "step_00000015"]
+    # the steps, and manager.run: the id of this run directory that the RAM copies record
+    assert sorted(os.listdir(out / "checkpoints")) == [
+        "manager.run",
+        "step_00000008",
+        "step_00000015",
+    ]
     leftovers = [os.path.join(d, f) for d, _, files in os.walk(ram) for f in files]
     assert leftovers == []  # the clean exit removed the RAM tier's copies
 

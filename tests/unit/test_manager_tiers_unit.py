@@ -17,9 +17,8 @@ from shardkit.checkpoint._manager._local import LocalStore
 from shardkit.checkpoint._manager._tiers import (
     choose_latest,
     default_directory,
-    peer_of,
+    peer_map,
     plan_sources,
-    source_of,
 )
 
 # -- options ------------------------------------------------------------------------------
@@ -69,21 +68,47 @@ def test_manager_refuses_other_tier_objects(tmp_path):
 # -- peers --------------------------------------------------------------------------------
 
 
+def _machines(*sizes):
+    """Every rank's machine as TierEngine gathers it, ranks numbered machine by machine."""
+    return [[m, "host"] for m, n in enumerate(sizes) for _ in range(n)]
+
+
 def test_peer_is_on_the_next_machine():
     # 2 machines x 4 ranks: rank r's replica goes to the same local rank on the other one
-    assert [peer_of(r, 8, 4) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]
-    # 3 machines x 2 ranks: a ring over machines
-    assert [peer_of(r, 6, 2) for r in range(6)] == [2, 3, 4, 5, 0, 1]
-    for world, lws in ((8, 4), (6, 2), (4, 4), (3, 1), (2, 2), (5, 7)):
-        peers = [peer_of(r, world, lws) for r in range(world)]
-        assert sorted(peers) == list(range(world))  # a permutation: one replica per rank
-        assert all(p != r for r, p in enumerate(peers))
-        assert [source_of(p, world, lws) for p in peers] == list(range(world))
+    assert peer_map(_machines(4, 4)) == [4, 5, 6, 7, 0, 1, 2, 3]
+    # 3 machines x 2 ranks: a ring over machines, (rank + LOCAL_WORLD_SIZE) % world
+    assert peer_map(_machines(2, 2, 2)) == [2, 3, 4, 5, 0, 1]
+    # machines told apart by hostname alone (no launcher variables): the same ring
+    assert peer_map([[0, "b"], [0, "a"], [0, "b"], [0, "a"]]) == [1, 0, 3, 2]
+
+
+@pytest.mark.parametrize(
+    "sizes", [(4, 4), (2, 2, 2), (4,), (1, 1, 1), (2, 1), (1, 2), (3, 1), (2, 3, 1), (1, 1, 5)]
+)
+def test_peer_map_is_one_consistent_ring(sizes):
+    """Every rank builds the map from the same gathered list: a permutation without fixed
+    points (each rank sends one replica and holds one), leaving its machine wherever
+    another machine has a rank at that position."""
+    machines = _machines(*sizes)
+    peers = peer_map(machines)
+    assert sorted(peers) == list(range(len(machines)))
+    assert all(p != r for r, p in enumerate(peers))
+    if len(sizes) > 1:
+        smallest = min(sizes) * len(sizes)  # positions every machine has
+        crossing = sum(machines[r] != machines[p] for r, p in enumerate(peers))
+        assert crossing >= smallest
+
+
+def test_unequal_machines_do_not_follow_each_ranks_local_world_size():
+    # torchrun --nproc-per-node 2 on one machine and 1 on another (the audit's hang:
+    # each rank's own (rank + LOCAL_WORLD_SIZE) % 3 gave rank 0 two senders, rank 1 none)
+    assert peer_map(_machines(2, 1)) == [2, 0, 1]
+    assert peer_map(_machines(2, 1)) == peer_map([[0, "a"], [0, "a"], [1, "b"]])
 
 
 def test_single_machine_and_world_of_one():
-    assert [peer_of(r, 4, 4) for r in range(4)] == [1, 2, 3, 0]  # same machine: next rank
-    assert peer_of(0, 1, 1) is None and source_of(0, 1, 1) is None
+    assert peer_map(_machines(4)) == [1, 2, 3, 0]  # same machine: next rank
+    assert peer_map(_machines(1)) is None
 
 
 # -- agreement ----------------------------------------------------------------------------
@@ -236,7 +261,7 @@ def test_foreign_and_torn_copies_are_ignored(tmp_path, caplog):
     url = "file:///run/a"
     mine = LocalStore(root, url, 0, 2)
     good = _write(mine, 3, {"w": torch.arange(4.0)})
-    assert mine.scan() == [[0, 3, "local", mine.read_manifest(good)["fp"]]]
+    assert [c[:4] for c in mine.scan()] == [[0, 3, "local", mine.read_manifest(good)["fp"]]]
     caplog.set_level(logging.WARNING)
     assert LocalStore(root, "file:///run/b", 0, 2).scan() == []  # another run
     assert LocalStore(root, url, 0, 3).scan() == []  # another world size

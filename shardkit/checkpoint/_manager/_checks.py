@@ -10,8 +10,11 @@ __all__ = ["check_metrics", "nonneg_int"]
 
 
 def nonneg_int(name: str, value: Any, *, minimum: int = 0) -> int:
-    """``value`` if it is an int >= ``minimum`` (bools refused), else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` if it is an int >= ``minimum``, else an error naming it: TypeError for
+    another type (bools, floats such as ``1.0``, None), ValueError for a smaller int."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 

@@ -243,8 +243,12 @@ class LocalStore:
         return final
 
     # -- writing --------------------------------------------------------------------------
-    def manifest(self, src: int, step: int, layout: dict) -> dict:
+    def manifest(self, src: int, step: int, layout: dict, mark: dict | None = None) -> dict:
+        """``tier.json``; ``mark`` adds the run directory's id (``run``), the saving
+        manager's ``history`` and whether the same call saved the step to the persistent
+        tier (``persisted``)."""
         return {
+            **(mark or {}),
             "format": FORMAT,
             "version": VERSION,
             "path": self.url,
@@ -255,7 +259,9 @@ class LocalStore:
             "layout": layout,
         }
 
-    def write_own(self, step: int, state: dict[str, Any], layout: dict, *, keep: int = 1) -> str:
+    def write_own(
+        self, step: int, state: dict[str, Any], layout: dict, *, keep: int = 1, mark=None
+    ) -> str:
         """Save this rank's ``state`` (a one-level dict) as its copy of ``step``, reusing
         the oldest copy's files when ``keep`` copies exist (see :meth:`recycle`)."""
         tmp, spares = self.recycle("local", self.rank, step, keep)
@@ -266,7 +272,7 @@ class LocalStore:
             job = prepare(state, planner, comm, 1, max_file_bytes(writer))
             write_and_commit(job, writer, comm, live_data(planner))
             with open(os.path.join(tmp, MANIFEST), "w") as f:
-                json.dump(self.manifest(self.rank, step, layout), f)
+                json.dump(self.manifest(self.rank, step, layout, mark), f)
             return self.publish(tmp, "local", self.rank, step)
         except BaseException:
             self._remove(tmp)
@@ -348,7 +354,8 @@ class LocalStore:
         return sorted(s for r, s, _ in self._entries(kind) if r == src)
 
     def scan(self) -> list[list]:
-        """Every valid copy this rank sees: ``[src, step, kind, fingerprint]``."""
+        """Every valid copy this rank sees: ``[src, step, kind, fingerprint, history,
+        persisted, run]`` (see :meth:`manifest`; a copy without them: ``""``, False, None)."""
         out = []
         for kind in ("local", "replica"):
             for src, step, path in self._entries(kind):
@@ -357,7 +364,13 @@ class LocalStore:
                     continue
                 m = self.check_copy(path, src, step)
                 if m is not None:
-                    out.append([src, step, kind, m["fp"]])
+                    history, run = m.get("history"), m.get("run")
+                    out.append([
+                        src, step, kind, m["fp"],
+                        history if isinstance(history, str) else "",
+                        m.get("persisted") is True,
+                        run if isinstance(run, str) else None,
+                    ])  # fmt: skip
         return out
 
     # -- loading --------------------------------------------------------------------------

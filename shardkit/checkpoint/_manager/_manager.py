@@ -31,6 +31,7 @@ from ._lease import Lease
 from ._preemption import PreemptionWatcher
 from ._retention import AnyPreservationPolicy as _Any
 from ._retention import LatestN, PreservationPolicy
+from ._run import ensure_run_id
 from ._storage import StepStore
 from ._tiered import TierEngine, TierMethods
 from ._tiers import LocalTier
@@ -144,11 +145,12 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         for name, flag in (("read_only", read_only), ("take_over_lease", take_over_lease)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
-        if (
-            isinstance(lease_ttl, bool)
-            or not isinstance(lease_ttl, (int, float))
-            or not lease_ttl >= 1.0
-        ):
+        if isinstance(lease_ttl, bool) or not isinstance(lease_ttl, (int, float)):
+            raise TypeError(
+                f"lease_ttl must be a number of seconds >= 1, got {type(lease_ttl).__name__} "
+                f"{lease_ttl!r}"
+            )
+        if not lease_ttl >= 1.0:
             raise ValueError(f"lease_ttl must be a number of seconds >= 1, got {lease_ttl!r}")
         self.read_only = read_only
         self._take_over = take_over_lease
@@ -187,6 +189,7 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         self._failed_steps: set[int] = set()  # background saves that failed, not yet seen
         self._rolled_back: dict[int, int | None] = {}  # failed step -> step before it
         self._stale_preemption_warned = False
+        self._stale_tier_warned = False  # a step saved to RAM only, its persistent save stale
         self._retention = ThreadPoolExecutor(1, thread_name_prefix="shardkit-retention")
         self._retention_futures: list[Future] = []
         self._metrics: dict[int, dict[str, Any] | None] = {}
@@ -213,7 +216,7 @@ class CheckpointManager(BackgroundMethods, TierMethods):
                 "open it without read_only to save"
             )
 
-        def acquire() -> tuple[list[int], list[int]]:
+        def acquire() -> tuple[list[int], list[int], str | None]:
             self._lease.acquire(take_over=self._take_over)
             try:
                 removed = self._store.remove_incomplete()
@@ -223,12 +226,16 @@ class CheckpointManager(BackgroundMethods, TierMethods):
                 # a kill between a commit and its retention pass left a step too many:
                 # one pass now, before this writer's first save (never raises)
                 self._retain()
-                return removed, self._store.committed_steps()
+                # the RAM copies record which instance of the directory they belong to
+                run_id = ensure_run_id(self._store) if self._tiers is not None else None
+                return removed, self._store.committed_steps(), run_id
             except BaseException:
                 self._lease.release()
                 raise
 
-        removed, steps = self._coordinated("taking the writer's lease", acquire)
+        removed, steps, run_id = self._coordinated("taking the writer's lease", acquire)
+        if self._tiers is not None:
+            self._tiers.set_run_id(run_id)
         if removed and self._is_coordinator:
             log.warning("removed incomplete step directories %s under %s", removed, self.path)
         if steps and (self._last_step is None or steps[-1] > self._last_step):
@@ -430,10 +437,22 @@ class CheckpointManager(BackgroundMethods, TierMethods):
             tiers.raise_agreed_error()
         if tiers is not None and tier_range[0] >= 0 and tiers.due(step):
             self._become_writer()  # a RAM copy is a save: one writer per run
-        local_saved = tiers is not None and tiers.save(step, *tier_range)
         preempted = signalled and self._preemption_step is None
         due = force or preempted or step % self.save_interval == 0
         stale = self._last_step is not None and step <= self._last_step
+        # the copy records whether this call saves the step to storage too: a restore
+        # combines the two only then (never the persistent step of an older training)
+        local_saved = tiers is not None and tiers.save(
+            step, *tier_range, persisted=due and not stale
+        )
+        if local_saved and due and stale and not (force or preempted or self._stale_tier_warned):
+            self._stale_tier_warned = True
+            log.warning(
+                "step %d saved to the local tier only: %s holds steps up to %d, so its "
+                "persistent saves of steps up to %d are skipped (after a rollback, save "
+                "into a new directory to keep the new steps on storage)",
+                step, self.path, self._last_step, self._last_step,
+            )  # fmt: skip
         if not due or stale:
             if force and stale:
                 raise ValueError(
@@ -533,6 +552,7 @@ class CheckpointManager(BackgroundMethods, TierMethods):
         self._wait_retention()
         if self._tiers is not None:
             self._tiers.restore(step, state_dict)
+            self._warn_rollback(step)
             return state_dict
         steps = self.all_steps()
         if step not in steps:
@@ -552,18 +572,30 @@ class CheckpointManager(BackgroundMethods, TierMethods):
             raise type(exc)(
                 f"step {step} under {self.path} could not be restored: {exc}{hint}"
             ) from exc
+        self._warn_rollback(step)
+        return state_dict
+
+    def _warn_rollback(self, step: int) -> None:
+        """After restoring ``step``: warn when the directory holds newer persistent steps,
+        whose saves are skipped from here on (with a local tier or without)."""
         if not self.read_only and self._last_step is not None and step < self._last_step:
+            tier = (
+                ""
+                if self._tiers is None
+                else "; the local tier still saves them, and a restore never combines its "
+                "copies with this directory's steps of the older training"
+            )
             log.warning(
                 "restored step %d under %s, which holds steps up to %d: saves of steps up "
-                "to %d are skipped (the preemption checkpoint too); to branch off step %d, "
+                "to %d are skipped (the preemption checkpoint too)%s; to branch off step %d, "
                 "save into a new directory",
                 step,
                 self.path,
                 self._last_step,
                 self._last_step,
+                tier,
                 step,
             )
-        return state_dict
 
     # -- lifecycle ------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -14,8 +14,10 @@ import copy
 import datetime
 import logging
 import os
+import socket
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -29,16 +31,16 @@ from .._core._flatten import Flat, flatten
 from .._core._zero_stall import Snapshot, Staging, protect, wait_for_staging
 from ._local import LocalStore, localized, shard_layout
 from ._peer import exchange
+from ._run import read_run_id
 from ._tiers import (
     LocalTier,
     RestoreInfo,
     choose_latest,
     default_directory,
     layout_fingerprint,
-    peer_of,
+    peer_map,
     persistent_steps,
     plan_sources,
-    source_of,
 )
 
 if TYPE_CHECKING:
@@ -52,12 +54,17 @@ _PEER_TIMEOUT = datetime.timedelta(minutes=10)
 _SLACK = 64 << 20  # metadata and headers on top of a shard's tensor bytes
 
 
-def _local_world_size(world: int) -> int:
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
+def _machine() -> list:
+    """This rank's machine, as every rank reports it: ``[index, hostname]``. The index is
+    torchrun's ``GROUP_RANK`` (SLURM's node id; else ``RANK // LOCAL_WORLD_SIZE``), the
+    hostname tells machines apart where no launcher says."""
+    from ... import runtime
+
     try:
-        return int(raw) if raw else world
-    except ValueError:
-        return world
+        index = runtime.host_index()
+    except ValueError:  # a malformed variable: the hostname alone
+        index = 0
+    return [index, socket.gethostname()]
 
 
 class TierEngine:
@@ -80,11 +87,48 @@ class TierEngine:
         self._default_dir = options.directory is None
         run = mgr._store.identity
         root = default_directory(run) if self._default_dir else os.fspath(options.directory)
-        self.store = LocalStore(os.path.abspath(root), run, self.rank, self.world)
-        lws = _local_world_size(self.world)
+        root = os.path.abspath(root)
+        error = None
+        try:
+            if os.path.lexists(root) and not os.path.isdir(root):
+                raise ValueError(
+                    f"LocalTier(directory={root!r}) is not a directory; pass a directory "
+                    "(or a path to create), or directory=None for node-local RAM (/dev/shm)"
+                )
+            self.store = LocalStore(root, run, self.rank, self.world)
+        except (OSError, ValueError) as exc:
+            error = exc
+        # One exchange at construction: every rank's machine (so all ranks build the
+        # same replica ring, whatever LOCAL_WORLD_SIZE each was given) and errors (so a
+        # bad directory on one machine raises on every rank, not a hang in new_group).
+        mine = {
+            "machine": _machine(),
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "history": uuid.uuid4().hex,
+        }
+        comm = Comm(mgr._ctrl) if mgr._ctrl is not None else Comm(None, local=True)
+        everyone = comm.all_gather_json(mine)
+        if error is not None:
+            if isinstance(error, ValueError):
+                raise error
+            raise ValueError(
+                f"LocalTier(directory={root!r}) cannot be used: {error}; pass a directory "
+                "this process can create and write"
+            ) from error
+        bad = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"] is not None]
+        if bad:
+            raise ValueError(
+                f"the local checkpoint tier cannot start on rank(s) {[r for r, _ in bad]}: "
+                f"{bad[0][1]} (see that rank's error)"
+            )
+        #: the manager instance that saves the copies (one per training, agreed by rank 0)
+        self.history: str = everyone[0]["history"]
+        #: the instance of the run directory the copies belong to (see _run.py)
+        self.run_id: str | None = None
         use_peer = options.peer and self.world > 1
-        self.peer = peer_of(self.rank, self.world, lws) if use_peer else None
-        self.source = source_of(self.rank, self.world, lws) if use_peer else None
+        peers = peer_map([e["machine"] for e in everyone]) if use_peer else None
+        self.peer = None if peers is None else peers[self.rank]
+        self.source = None if peers is None else peers.index(self.rank)
         self._peer_group = None
         if use_peer:  # collective: every rank constructs the manager
             self._peer_group = dist.new_group(
@@ -101,12 +145,18 @@ class TierEngine:
         self._peak = 0
         self.last_restore: RestoreInfo | None = None
         self._wrote = False  # saved a copy (see _may_remove)
+        self._restored = False  # restored a step (see _may_remove)
+        self._ignored_runs = False  # logged the copies of another run directory instance
 
     # -- saving ---------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         return step % self.options.interval == 0 and (
             self.last_step is None or step > self.last_step
         )
+
+    def set_run_id(self, run_id: str) -> None:
+        """The run directory's id (see ``_run.py``), recorded in every copy saved."""
+        self.run_id = run_id
 
     def prepare(self, step: int, state_dict: dict) -> int:
         """Before the save's agreement: this rank's shard bytes if due, 0 if not, -1 on error."""
@@ -131,8 +181,10 @@ class TierEngine:
         self._pending = (step, flat, layout, nbytes)
         return nbytes
 
-    def save(self, step: int, lo: int, hi: int) -> bool:
-        """After the agreement: stage and start the background write (if due)."""
+    def save(self, step: int, lo: int, hi: int, *, persisted: bool = False) -> bool:
+        """After the agreement: stage and start the background write (if due).
+        ``persisted``: this call also saves ``step`` to the persistent tier (recorded
+        in the copy: only then may a restore combine the two)."""
         pending, self._pending = self._pending, None
         if lo < 0:
             error, self._pending_error = self._pending_error, None
@@ -161,8 +213,9 @@ class TierEngine:
             staging.start()
         self.last_step = step
         self._wrote = True
+        mark = {"run": self.run_id, "history": self.history, "persisted": bool(persisted)}
         self._job = self._pool.submit(
-            self._background, step, flat, tensors, snapshot, staging, layout, hi
+            self._background, step, flat, tensors, snapshot, staging, layout, hi, mark
         )
         return True
 
@@ -220,7 +273,7 @@ class TierEngine:
         self._track()
         return out
 
-    def _background(self, step, flat, tensors, snapshot, staging, layout, hi) -> None:
+    def _background(self, step, flat, tensors, snapshot, staging, layout, hi, mark) -> None:
         path, error, keep = None, None, self.options.max_to_keep
         try:
             if staging is not None:
@@ -229,7 +282,9 @@ class TierEngine:
                 finally:
                     staging.finish()
             self._drop_newer(step - 1)
-            path = self.store.write_own(step, localized(flat, tensors), layout, keep=keep)
+            path = self.store.write_own(
+                step, localized(flat, tensors), layout, keep=keep, mark=mark
+            )
             if snapshot is not None:
                 try:
                     snapshot.final()  # an in-place op that ran during the copy
@@ -306,10 +361,13 @@ class TierEngine:
 
     # -- agreement ------------------------------------------------------------------------
     def _inventory(self, fp: str | None) -> list[dict]:
-        mine: dict[str, Any] = {"fp": fp, "copies": self.store.scan(), "persistent": []}
+        mine: dict[str, Any] = {
+            "fp": fp, "copies": self.store.scan(), "persistent": [], "history": uuid.uuid4().hex
+        }  # fmt: skip
         if self.mgr._is_coordinator:
             try:
                 mine["persistent"] = self.mgr._store.committed_steps()
+                mine["run"] = read_run_id(self.mgr._store)
             except Exception as exc:  # every rank raises it below
                 mine["error"] = f"{type(exc).__name__}: {exc}"
         comm = Comm(self.mgr._ctrl) if self.mgr._ctrl is not None else Comm(None, local=True)
@@ -318,6 +376,23 @@ class TierEngine:
             if "error" in entry:
                 raise CheckpointError(f"listing checkpoints under {self.mgr.path} failed: "
                                       f"{entry['error']}")  # fmt: skip
+        # Only copies of this instance of the run directory: one removed and started
+        # again under the same path is a new run, whose restore must not find the old
+        # run's copies (they stay until this run's saves and retention remove them).
+        run = next((e["run"] for e in invs if "run" in e), None)
+        ignored = 0
+        for entry in invs:
+            kept = [c[:6] for c in entry["copies"] if run is not None and c[6] == run]
+            ignored += len(entry["copies"]) - len(kept)
+            entry["copies"] = kept
+        if ignored and self.rank == 0 and not self._ignored_runs:
+            self._ignored_runs = True
+            log.warning(
+                "local checkpoint tier: ignoring %d RAM cop%s saved for an earlier instance "
+                "of %s (its directory was removed or replaced since, or holds no %s): a new "
+                "run does not resume them", ignored, "y" if ignored == 1 else "ies",
+                self.mgr.path, "manager.run",
+            )  # fmt: skip
         return invs
 
     def latest_step(self) -> int | None:
@@ -370,6 +445,8 @@ class TierEngine:
                 elif self.rank == 0:
                     log.info("restored step %d; tier by rank: %s", step, tiers)
                 self.last_step = step
+                self._restored = True
+                self.history = invs[0]["history"]  # copies saved from here on: a new history
                 if self._may_remove():  # else the first save drops them (_background)
                     self._drop_newer(step)
                 return
@@ -477,12 +554,16 @@ class TierEngine:
 
     # -- lifecycle --------------------------------------------------------------------------
     def _may_remove(self) -> bool:
-        """Whether this manager may delete copies of its run: it saved some, or no live
-        writer holds the run's lease. A restarted job that only restored cleans up on a
-        clean exit; a manager opened beside a running trainer (an evaluator) never
-        deletes the trainer's copies."""
+        """Whether this manager may delete copies of its run: it saved some, or it
+        restored a step and no live writer holds the run's lease. A restarted job that
+        only restored cleans up on a clean exit; a manager opened beside a running
+        trainer (an evaluator) never deletes the trainer's copies, and one that never
+        used them (a restore that failed: the wrong model, say) leaves them for the
+        program that can."""
         if self._wrote or self.mgr._writing:
             return True
+        if not self._restored:
+            return False
         try:
             lease = self.mgr._lease.read()
         except Exception:  # unreadable: keep the copies

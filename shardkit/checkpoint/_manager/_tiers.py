@@ -20,9 +20,8 @@ __all__ = [
     "RestoreInfo",
     "choose_latest",
     "default_directory",
-    "peer_of",
+    "peer_map",
     "plan_sources",
-    "source_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -39,8 +38,8 @@ class LocalTier:
         directory: where the copies live; None: node-local RAM,
             ``/dev/shm/shardkit-<uid>/<hash of the manager's path>``.
         max_to_keep: newest steps kept per tier (own copies, and replicas held), >= 1.
-        peer: also copy each rank's shard to a peer rank on another machine
-            (``(rank + LOCAL_WORLD_SIZE) % world_size``), in the background.
+        peer: also copy each rank's shard to a peer rank on another machine (the same
+            local rank on the next machine; see :func:`peer_map`), in the background.
         max_bytes: most bytes one rank may hold in the tier (own copies + replicas);
             None: no bound. A save that could exceed it raises ``ValueError``.
     """
@@ -119,27 +118,37 @@ def default_directory(url: str) -> str:
     return os.path.join(base, f"shardkit-{uid}", digest)
 
 
-def _shift(world_size: int, local_world_size: int) -> int:
-    shift = local_world_size % world_size if local_world_size > 0 else 0
-    return shift if shift else 1
+def peer_map(nodes: list) -> list[int] | None:
+    """The rank holding each rank's replica, from every rank's machine (``nodes[r]``,
+    any JSON value that sorts; ranks with equal values share a machine).
 
-
-def peer_of(rank: int, world_size: int, local_world_size: int) -> int | None:
-    """The rank holding ``rank``'s replica: the same local rank on the next machine.
-
-    ``(rank + local_world_size) % world_size``; on a single machine (where that is
-    ``rank`` itself) the next rank. None in a world of one.
+    Built from the same gathered list on every rank, so all ranks agree on it, whatever
+    each rank's ``LOCAL_WORLD_SIZE`` says. Machines of equal size: the rank with the same
+    position on the next machine (for torchrun's ranks ``(rank + LOCAL_WORLD_SIZE) %
+    world_size``). Machines of different sizes: ranks ordered by (position on their
+    machine, machine), each sending to the next, so a replica leaves its machine
+    wherever another machine has a rank at that position. One machine: the next rank.
+    Always a permutation without fixed points; None in a world of one.
     """
-    if world_size <= 1:
+    world = len(nodes)
+    if world <= 1:
         return None
-    return (rank + _shift(world_size, local_world_size)) % world_size
-
-
-def source_of(rank: int, world_size: int, local_world_size: int) -> int | None:
-    """The rank whose replica ``rank`` holds (the inverse of :func:`peer_of`)."""
-    if world_size <= 1:
-        return None
-    return (rank - _shift(world_size, local_world_size)) % world_size
+    keys = sorted({json.dumps(n, sort_keys=True) for n in nodes}, key=lambda k: json.loads(k))
+    index = {k: i for i, k in enumerate(keys)}
+    machine = [index[json.dumps(n, sort_keys=True)] for n in nodes]
+    members: list[list[int]] = [[] for _ in keys]
+    for r in range(world):
+        members[machine[r]].append(r)
+    position = {r: i for ranks in members for i, r in enumerate(ranks)}
+    if len(members) == 1:
+        return [(r + 1) % world for r in range(world)]
+    if len({len(ranks) for ranks in members}) == 1:
+        return [members[(machine[r] + 1) % len(members)][position[r]] for r in range(world)]
+    order = sorted(range(world), key=lambda r: (position[r], machine[r]))
+    peers = [0] * world
+    for i, r in enumerate(order):
+        peers[r] = order[(i + 1) % world]
+    return peers
 
 
 def layout_fingerprint(layout: dict[str, Any]) -> str:
@@ -149,14 +158,33 @@ def layout_fingerprint(layout: dict[str, Any]) -> str:
 
 
 def _usable(inv: dict, fps: list[str | None] | None):
-    """(src, step, holder, kind) of every copy whose layout matches its source rank's."""
+    """``(src, step, holder, kind, history, persisted)`` of every copy whose layout
+    matches its source rank's. A copy's ``history`` names the manager that saved it
+    (copies saved by one ``save`` call share it); ``persisted`` says that the same call
+    also saved the step to the persistent tier, so the two may be combined. Entries
+    without them (4 fields) are one history, combinable with the persistent step."""
     for holder, entry in enumerate(inv):
-        for src, step, kind, fp in entry.get("copies", []):
+        for copy in entry.get("copies", []):
+            src, step, kind, fp = copy[:4]
             if not (isinstance(src, int) and 0 <= src < len(inv)):
                 continue
             if fps is not None and fps[src] is not None and fp != fps[src]:
                 continue
-            yield src, step, holder, kind
+            history = str(copy[4]) if len(copy) > 4 else ""
+            persisted = bool(copy[5]) if len(copy) > 5 else True
+            yield src, step, holder, kind, history, persisted
+
+
+def _histories(inventories: list[dict], fps, step: int | None = None) -> dict:
+    """step -> history -> ``{"srcs": {src: [(holder, kind)]}, "persisted": bool}``."""
+    out: dict[int, dict[str, dict]] = {}
+    for src, s, holder, kind, history, persisted in _usable(inventories, fps):
+        if step is not None and s != step:
+            continue
+        h = out.setdefault(s, {}).setdefault(history, {"srcs": {}, "persisted": True})
+        h["srcs"].setdefault(src, []).append((holder, kind))
+        h["persisted"] = h["persisted"] and persisted
+    return out
 
 
 def persistent_steps(inventories: list[dict]) -> list[int]:
@@ -170,19 +198,36 @@ def persistent_steps(inventories: list[dict]) -> list[int]:
 def choose_latest(inventories: list[dict], *, check_layout: bool = False) -> int | None:
     """The newest step every rank's shard is available at, from any tier.
 
-    ``inventories[r]`` is rank r's report: ``{"copies": [[src, step, kind, fp], ...],
-    "persistent": [...], "fp": ...}``. A persistent step has every shard; a RAM step
-    needs a copy of each rank's shard on some rank. With ``check_layout``, a copy counts
-    only when its layout fingerprint equals its source rank's ``fp``.
+    ``inventories[r]`` is rank r's report: ``{"copies": [[src, step, kind, fp, history,
+    persisted], ...], "persistent": [...], "fp": ...}``. A persistent step has every
+    shard; a RAM step needs a copy of each rank's shard on some rank, all of one history
+    (never two trainings' copies of one step together). With ``check_layout``, a copy
+    counts only when its layout fingerprint equals its source rank's ``fp``.
     """
     world = len(inventories)
     fps = [e.get("fp") for e in inventories] if check_layout else None
-    have: dict[int, set[int]] = {}
-    for src, step, _, _ in _usable(inventories, fps):
-        have.setdefault(step, set()).add(src)
-    steps = {s for s, srcs in have.items() if len(srcs) == world}
+    steps = {
+        s
+        for s, histories in _histories(inventories, fps).items()
+        if any(len(h["srcs"]) == world for h in histories.values())
+    }
     steps.update(persistent_steps(inventories))
     return max(steps) if steps else None
+
+
+def _rank_options(srcs: dict, r: int, persistent: bool) -> list[tuple[str, int | None, str | None]]:
+    """Rank r's sources in order: own copy, a replica, another rank's view, persistent."""
+    options: list[tuple[str, int | None, str | None]] = []
+    mine = [(h, k) for h, k in srcs.get(r, []) if h == r]
+    others = sorted((h, k) for h, k in srcs.get(r, []) if h != r)
+    for h, k in sorted(mine, key=lambda hk: hk[1] != "local"):
+        options.append(("local" if k == "local" else "peer", h, k))
+    # prefer a replica (another machine's copy) to a same-node rank's view of r's copy
+    for h, k in sorted(others, key=lambda hk: (hk[1] != "replica", hk[0])):
+        options.append(("peer", h, k))
+    if persistent:
+        options.append(("persistent", None, None))
+    return options
 
 
 def plan_sources(
@@ -194,26 +239,30 @@ def plan_sources(
     that r sees itself, else one another rank holds (tier "peer", ``holder`` sends it);
     the persistent step (tier "persistent"). ``excluded`` holds ``(r, holder, kind)``
     sources that failed (torn bytes), skipped here. None for a rank with no source.
+
+    The copies used are all of one history, and are combined with the persistent step
+    only when the call that saved them saved that step too: after a rollback (or a
+    restart into the same directory) the RAM copies of a step and its persistent
+    checkpoint can hold two trainings. Preferred: a history that covers every rank from
+    RAM, then one the persistent step completes, then the persistent step alone.
     """
     world = len(inventories)
     fps = [e.get("fp") for e in inventories]
-    copies: dict[int, list[tuple[int, str]]] = {}
-    for src, s, holder, kind in _usable(inventories, fps):
-        if s == step:
-            copies.setdefault(src, []).append((holder, kind))
     persistent = step in persistent_steps(inventories)
-    plan: list[tuple[str, int | None, str | None] | None] = []
-    for r in range(world):
-        options = []
-        mine = [(h, k) for h, k in copies.get(r, []) if h == r]
-        others = sorted((h, k) for h, k in copies.get(r, []) if h != r)
-        for h, k in sorted(mine, key=lambda hk: hk[1] != "local"):
-            options.append(("local" if k == "local" else "peer", h, k))
-        # prefer a replica (another machine's copy) to a same-node rank's view of r's copy
-        for h, k in sorted(others, key=lambda hk: (hk[1] != "replica", hk[0])):
-            options.append(("peer", h, k))
-        if persistent:
-            options.append(("persistent", None, None))
-        chosen = next((o for o in options if (r, o[1], o[2]) not in excluded), None)
-        plan.append(chosen)
-    return plan
+    candidates = []
+    for _, h in sorted(_histories(inventories, fps, step).get(step, {}).items()):
+        srcs = {
+            src: [(hd, k) for hd, k in where if (src, hd, k) not in excluded]
+            for src, where in h["srcs"].items()
+        }
+        srcs = {src: where for src, where in srcs.items() if where}
+        with_persistent = persistent and h["persisted"]
+        plan = [next(iter(_rank_options(srcs, r, with_persistent)), None) for r in range(world)]
+        from_ram = sum(1 for p in plan if p is not None and p[0] != "persistent")
+        complete = all(p is not None for p in plan)
+        candidates.append((not complete, not (complete and from_ram == world), -from_ram, plan))
+    if persistent:
+        candidates.append((False, True, 0, [("persistent", None, None)] * world))
+    if not candidates:
+        return [None] * world
+    return min(candidates, key=lambda c: c[:3])[3]
