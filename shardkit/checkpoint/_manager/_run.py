@@ -11,7 +11,6 @@ the new writer's saves and retention remove them as the run's own.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import uuid
 
@@ -23,7 +22,6 @@ log = logging.getLogger(__name__)
 
 RUN_FILE = "manager.run"
 _ID = re.compile(r"^[0-9a-f]{32}$")
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def read_run_id(store) -> str | None:
@@ -47,24 +45,5 @@ def ensure_run_id(store) -> str:
     if found is not None:
         return found
     new = uuid.uuid4().hex
-    path = f"{store.root}/{RUN_FILE}"
-    if not store.local:
-        store.fs.makedirs(store.root, exist_ok=True)
-        store.fs.pipe_file(path, new.encode())
-        return new
-    os.makedirs(store.root, exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
-    try:
-        try:
-            os.write(fd, new.encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)  # replaces a bad file or a symlink, never follows it
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    store.publish(f"{store.root}/{RUN_FILE}", new.encode())  # replaces a bad file or a symlink
     return new

@@ -325,21 +325,29 @@ class StepStore:
         """Record the step's metrics (for :class:`BestN`) inside its directory."""
         payload = json.dumps({"step": step, "metrics": dict(metrics or {})}, sort_keys=True)
         path = self._step_path(step)
-        if not self.local:
-            self.fs.makedirs(path, exist_ok=True)
-            publish_file(self.fs, f"{path}/{MANAGER_FILE}", payload.encode())
-            return
-        if os.path.islink(path):
+        if self.local and os.path.islink(path):
             raise CheckpointError(f"{path} is a symlink; refusing to write through it")
-        os.makedirs(path, exist_ok=True)
-        tmp = f"{path}/{MANAGER_FILE}.tmp-{uuid.uuid4().hex}"
+        self.publish(f"{path}/{MANAGER_FILE}", payload.encode())
+
+    def publish(self, path: str, data: bytes) -> None:
+        """Write a small manager file all at once, creating its directory: readers see
+        the old bytes or the new. Locally through a fresh temporary (``O_EXCL |
+        O_NOFOLLOW``) and ``os.replace``, which replaces a planted symlink, never
+        follows it; elsewhere see :func:`publish_file`."""
+        parent = path.rsplit("/", 1)[0]
+        if not self.local:
+            self.fs.makedirs(parent, exist_ok=True)
+            publish_file(self.fs, path, data)
+            return
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
         try:
             try:
-                os.write(fd, payload.encode())
+                os.write(fd, data)
             finally:
                 os.close(fd)
-            os.replace(tmp, f"{path}/{MANAGER_FILE}")  # replaces a symlink, never follows it
+            os.replace(tmp, path)
         except BaseException:
             try:
                 os.remove(tmp)
