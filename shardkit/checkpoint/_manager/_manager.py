@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ... import runtime
-from .._core._errors import CheckpointError, CorruptCheckpointError
+from .._core._errors import CheckpointError
 from .._core._storage import refuse_per_process
 from ._background import BackgroundMethods
 from ._checks import check_metrics as _check_metrics
@@ -29,6 +29,7 @@ from ._checks import nonneg_int as _nonneg_int
 from ._comm import broadcast_json, flags_and_ranges
 from ._lease import Lease
 from ._preemption import PreemptionWatcher
+from ._restore import RestoreMethods
 from ._retention import AnyPreservationPolicy as _Any
 from ._retention import LatestN, PreservationPolicy
 from ._run import ensure_run_id
@@ -41,7 +42,7 @@ __all__ = ["CheckpointManager"]
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager(BackgroundMethods, TierMethods):
+class CheckpointManager(BackgroundMethods, TierMethods, RestoreMethods):
     """Saves a checkpoint every ``save_interval`` steps under ``path`` and prunes old ones.
 
     Args:
@@ -536,66 +537,6 @@ class CheckpointManager(BackgroundMethods, TierMethods):
             finally:
                 self._wait_retention()
         self._raise_errors()
-
-    # -- restoring ------------------------------------------------------------------------
-    def restore(self, step: int, state_dict: dict) -> dict:
-        """Load committed ``step`` into ``state_dict`` in place, resharding as needed.
-
-        Prime optimizers first (:func:`prime_optimizer`) so their state exists to load into.
-        Returns ``state_dict``. With a local tier each rank reads the fastest source of its
-        shard (local, peer, persistent; see :attr:`last_restore`).
-        """
-        self._check_open()
-        step = self._check_step(step)
-        # No retention pass may delete the step while it is read.
-        self._wait_in_flight(0)
-        self._wait_retention()
-        if self._tiers is not None:
-            self._tiers.restore(step, state_dict)
-            self._warn_rollback(step)
-            return state_dict
-        steps = self.all_steps()
-        if step not in steps:
-            raise ValueError(
-                f"step {step} has no committed checkpoint under {self.path}; "
-                f"committed steps: {steps}"
-            )
-        from . import _io as io
-
-        try:
-            io.load_step(self, step, state_dict)
-        except CheckpointError as exc:
-            if type(exc) not in (CheckpointError, CorruptCheckpointError):
-                raise  # a state dict that does not fit: the step is fine
-            older = [s for s in steps if s < step]
-            hint = f"; the newest older step is {older[-1]}" if older else ""
-            raise type(exc)(
-                f"step {step} under {self.path} could not be restored: {exc}{hint}"
-            ) from exc
-        self._warn_rollback(step)
-        return state_dict
-
-    def _warn_rollback(self, step: int) -> None:
-        """After restoring ``step``: warn when the directory holds newer persistent steps,
-        whose saves are skipped from here on (with a local tier or without)."""
-        if not self.read_only and self._last_step is not None and step < self._last_step:
-            tier = (
-                ""
-                if self._tiers is None
-                else "; the local tier still saves them, and a restore never combines its "
-                "copies with this directory's steps of the older training"
-            )
-            log.warning(
-                "restored step %d under %s, which holds steps up to %d: saves of steps up "
-                "to %d are skipped (the preemption checkpoint too)%s; to branch off step %d, "
-                "save into a new directory",
-                step,
-                self.path,
-                self._last_step,
-                self._last_step,
-                tier,
-                step,
-            )
 
     # -- lifecycle ------------------------------------------------------------------------
     def _check_open(self) -> None:
