@@ -206,6 +206,8 @@ def summarize(reports: list[dict], wall: float) -> str:
         lines.append(f"  phase {r['phase']}             {note}")
         if r.get("recovery"):
             lines.append("  restart " + _restart_line(r))
+        if r.get("tier_memory"):
+            lines.append("  RAM tier " + _memory_line(r["tier_memory"]))
     acc = last["accuracy"]
     lines.append(f"  accuracy            {acc:.4f} (held-out digits)" if acc is not None else "")
     if times:
@@ -223,6 +225,12 @@ def summarize(reports: list[dict], wall: float) -> str:
         lines.append(f"  consolidated        {last['consolidated']}")
     lines.append(f"  wall time           {wall:.1f} s")
     return "\n".join(line for line in lines if line)
+
+
+def _memory_line(memory: dict) -> str:
+    """``RAM tier`` summary line: what rank 0 holds in node-local RAM at the phase's end."""
+    parts = ", ".join(f"{k} {_mib(memory[k])}" for k in ("local", "replica", "staging"))
+    return f"          {parts}; peak {_mib(memory['peak'])} (rank 0)"
 
 
 def _restart_line(report: dict) -> str:

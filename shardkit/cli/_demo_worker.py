@@ -180,6 +180,7 @@ def run(args: argparse.Namespace) -> dict:
             preempted_at = step
             break
     bar.close()
+    memory = ckpts.mgr.tier_memory() if args.local_every else None  # before close drops it
     ckpts.join()
 
     report = {
@@ -201,6 +202,7 @@ def run(args: argparse.Namespace) -> dict:
         "restart_count": clock.restart_count,
         "restored_tier": tier,
         "recovery": recovery,
+        "tier_memory": memory,
     }
     if preempted_at is not None:
         if lead:

@@ -54,6 +54,9 @@ def test_killed_rank_restarts_resumes_from_ram_and_matches_an_uninterrupted_run(
     summary = text[text.index("shardkit demo summary") :]
     assert f"restart 1           resumed step {step} from: rank 0 local, rank 1 local" in summary
     assert "kill -> first resumed step" in summary and "accuracy" in summary
+    # what the tier holds in RAM, reported (issue 18: bounded and reported)
+    memory = re.search(r"RAM tier +local ([\d.]+) KiB, replica ([\d.]+) KiB, .*peak", summary)
+    assert memory is not None and float(memory[1]) > 0 and float(memory[2]) > 0, summary
     # the steps, and manager.run: the id of this run directory that the RAM copies record
     assert sorted(os.listdir(out / "checkpoints")) == [
         "manager.run",
