@@ -167,15 +167,21 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _json_key(key: Any) -> Any:
+    """A dict key json.dumps writes as it is (a finite float too), else its ``repr``."""
+    if key is None or isinstance(key, (str, int, bool)):
+        return key
+    if isinstance(key, float) and math.isfinite(key):
+        return key
+    return repr(key)
+
+
 def _jsonable(value: Any) -> Any:
     """A saved value as strict JSON can write it: a tuple or other dict key, and a NaN or
     infinite float, are shown as their ``repr`` (the value format keeps them; strict JSON
     cannot)."""
     if isinstance(value, dict):
-        return {
-            k if k is None or isinstance(k, (str, int, float, bool)) else repr(k): _jsonable(v)
-            for k, v in value.items()
-        }
+        return {_json_key(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         full, path = consolidate_sharded_model_checkpoints(
             args.ckpt_prefix, args.ckpt_suffix, args.save_path, progress=True
         )
-    except (FileNotFoundError, ValueError, CheckpointError) as exc:  # a damaged file too
+    except (OSError, ValueError, CheckpointError) as exc:  # a damaged or unreadable file too
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"consolidated {len(full)} entries into {path}")

@@ -10,9 +10,11 @@ checked against the zip directory, and a tensor's bytes are then read on demand 
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
+import stat
 import struct
 import warnings
 import zipfile
@@ -166,10 +168,15 @@ class TorchFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
-        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # never blocking: a FIFO planted under the name is refused at once, not waited on
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         self._map: mmap.mmap | None = None
         try:
-            self.size = os.fstat(self._fd).st_size
+            info = os.fstat(self._fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", self.path)
+            os.set_blocking(self._fd, True)
+            self.size = info.st_size
             with open(self._fd, "rb", closefd=False) as f:
                 if f.read(4) != b"PK\x03\x04":
                     raise ValueError(
@@ -182,6 +189,11 @@ class TorchFile:
                 f.seek(0)
                 self.obj: Any = torch_load(f, self.path, map_location="meta")
             check_views(self.obj, self.path, self.size)
+        except OSError as exc:
+            os.close(self._fd)
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise type(exc)(exc.errno, exc.strerror, self.path) from exc  # EIO names no file
         except BaseException:
             os.close(self._fd)
             raise

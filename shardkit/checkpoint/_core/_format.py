@@ -177,13 +177,18 @@ def encode_value(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
+_NON_FINITE = ("nan", "inf", "-inf")
+
+
 def decode_value(value: Any) -> Any:
     """Inverse of :func:`encode_value`."""
     if isinstance(value, list):
         return [decode_value(v) for v in value]
     if isinstance(value, dict):
         tag = value.get(_TAG)
-        if tag == "float":
+        if tag == "float":  # only what encode_value writes: a number here is hostile
+            if value["repr"] not in _NON_FINITE:
+                raise ValueError(f"a tagged float is {value['repr']!r:.40}, not nan or +-inf")
             return float(value["repr"])
         if tag == "tuple":
             return tuple(decode_value(v) for v in value["items"])

@@ -101,6 +101,9 @@ class StepStore:
                     foreign.append(name)
                 continue
             step = int(match.group(1))
+            if name != step_dir_name(step):  # step_2 beside step_00000002: one step, two dirs
+                self._warn_once(step, f"{name} is not how this manager names a step directory")
+                continue
             if entry.get("islink") or (self.local and os.path.islink(self._step_path(step))):
                 self._warn_once(step, "its directory is a symlink (a checkpoint is a directory)")
             elif entry.get("type") == "directory":
