@@ -35,7 +35,7 @@ def cmd_convert_hf(args: argparse.Namespace) -> int:
     """Export SRC (any readable checkpoint format) as an HF directory at DST."""
     import torch
 
-    from ..checkpoint import CheckpointError
+    from ..checkpoint import CheckpointError, CorruptCheckpointError
     from ..checkpoint.hf import to_hf
     from ._ckpt_convert import _to_shardkit, detect_format
 
@@ -50,6 +50,8 @@ def cmd_convert_hf(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory(prefix="shardkit-convert-") as tmp:
                 _to_shardkit(args.src, src_fmt, tmp)
                 report = _export(to_hf, tmp, args, dtype)
+    except CorruptCheckpointError:
+        raise  # a damaged checkpoint: its own exit status (3), its own message
     except (CheckpointError, FileExistsError) as exc:
         raise CliError(str(exc)) from None
     print(

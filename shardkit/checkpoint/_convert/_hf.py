@@ -377,14 +377,28 @@ def to_hf(
         )
     groups = _split(rows, max_bytes)
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    written: list[str] = []
+    error: BaseException | None = None
     for i, (name, group) in enumerate(zip(names, groups)):
         report.files.append(name)
         report.weight_map.update((row[0], name) for row in group)
-        if i % world != rank:
+        if i % world != rank or error is not None:
             continue
-        _write_file(f"{root}/{name}", fs, group, reader, metadata)
-    if world > 1:
-        dist.barrier()
+        try:
+            _write_file(f"{root}/{name}", fs, group, reader, metadata)
+            written.append(f"{root}/{name}")
+        except Exception as exc:  # every rank must learn of it: see _agree
+            error = exc
+    failed = _agree(error is not None, rank, world)
+    if failed:  # no index names a broken export: every rank removes what it wrote
+        for target in written:
+            _remove_quietly(fs, target)
+        if error is not None:
+            raise error
+        raise CheckpointError(
+            f"rank(s) {failed} failed writing the HF export to {os.fspath(path)!r}; "
+            "nothing was published (see their error)"
+        )
     if rank == 0:
         total = sum(math.prod(r[3]) * r[2].itemsize for r in rows)
         index = {"metadata": {"total_size": total}, "weight_map": report.weight_map}
@@ -408,5 +422,27 @@ def _write_file(target: str, fs, group, reader, metadata: Metadata) -> None:
                 name, _source, out_dtype, _shape = by_source[source]
                 writer.write(name, tensor if tensor.dtype == out_dtype else tensor.to(out_dtype))
             del batch  # its buffer is reused for the next tensor
-    finally:
-        writer.close()
+    except BaseException:  # the read's error (a damaged chunk) is the one to report
+        writer.abort()
+        _remove_quietly(fs, target)
+        raise
+    writer.close()
+
+
+def _remove_quietly(fs, target: str) -> None:
+    try:
+        fs.rm_file(target)
+    except Exception:  # gone already, or the store refuses: the error raised says why
+        pass
+
+
+def _agree(failed_here: bool, rank: int, world: int) -> list[int]:
+    """The ranks whose files failed (a collective when ``world > 1``): a failing rank
+    must not leave the others waiting at a barrier, nor rank 0 publish the index."""
+    if world == 1:
+        return [rank] if failed_here else []
+    on = runtime.device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    flags = torch.zeros(world, dtype=torch.int64, device=on)
+    flags[rank] = int(failed_here)
+    dist.all_reduce(flags)
+    return [r for r in range(world) if flags[r].item()]
