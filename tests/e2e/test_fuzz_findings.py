@@ -9,8 +9,11 @@
 - ``diff`` of tensors with more than 64 dims exited 4 ("internal error").
 """
 
+import gc
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,7 +23,7 @@ from hostile import fail_after, shardkit
 from metadata_edit import reseal_metadata
 
 import shardkit.checkpoint as dcp
-from shardkit.checkpoint import CheckpointManager
+from shardkit.checkpoint import CheckpointManager, LocalTier
 from shardkit.fsdp import consolidate_sharded_model_checkpoints
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,3 +93,44 @@ def test_diff_compares_tensors_of_more_than_64_dims(tmp_path):
     dcp.save({"w": many + 1}, checkpoint_id=tmp_path / "c")
     assert "identical: 1" in shardkit("ckpt", "diff", tmp_path / "a", tmp_path / "b", code=0).stdout
     shardkit("ckpt", "diff", tmp_path / "a", tmp_path / "c", code=1)
+
+
+def _steps(mgr, steps):
+    for step in steps:
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+
+
+def test_a_step_directory_copied_over_another_is_not_that_step(tmp_path, caplog):
+    run = tmp_path / "run"
+    with CheckpointManager(str(run), 1, chkpt_on_preemption=False) as mgr:
+        _steps(mgr, range(3))
+    shutil.rmtree(run / "step_00000002")
+    shutil.copytree(run / "step_00000001", run / "step_00000002")  # manager.json says 1
+    with caplog.at_level("WARNING"), CheckpointManager(str(run), 1, read_only=True) as mgr:
+        assert mgr.all_steps() == [0, 1]
+        with pytest.raises(ValueError, match="step 2 has no committed checkpoint"):
+            mgr.restore(2, {"w": torch.zeros(4)})
+    assert "says it holds step 1" in caplog.text
+
+
+def test_a_ram_copy_moved_under_another_steps_name_is_not_that_step(tmp_path):
+    run, ram = str(tmp_path / "run"), str(tmp_path / "ram")
+    tier = LocalTier(interval=1, directory=ram)
+    mgr = CheckpointManager(run, 10, chkpt_on_preemption=False, local_tier=tier)
+    _steps(mgr, range(4))
+    mgr.join()
+    del mgr  # the process "dies" here: its RAM copies stay
+    gc.collect()
+    two, three = (glob.glob(f"{ram}/local/rank_*/step_0000000{s}")[0] for s in (2, 3))
+    for name in os.listdir(three):
+        if name != "tier.json":  # step 3's tier.json over step 2's data
+            os.unlink(os.path.join(three, name))
+    for name in os.listdir(two):
+        if name != "tier.json":
+            shutil.copy(os.path.join(two, name), three)
+    tier = LocalTier(interval=1, directory=ram)
+    with CheckpointManager(run, 10, chkpt_on_preemption=False, local_tier=tier) as mgr:
+        assert mgr.latest_step() == 2
+        out = {"w": torch.zeros(4)}
+        mgr.restore(2, out)
+        assert out["w"].tolist() == [2.0] * 4

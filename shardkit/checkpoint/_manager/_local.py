@@ -35,7 +35,7 @@ from .._core._errors import CheckpointError
 from .._core._flatten import Flat
 from .._core._format import METADATA_FILE
 from .._core._load import _metadata as read_core_metadata
-from .._core._load import is_committed, load_with_metadata
+from .._core._load import is_committed, load_with_metadata, read_metadata
 from .._core._planner import DefaultLoadPlanner, DefaultSavePlanner
 from .._core._save import live_data, max_file_bytes, prepare, write_and_commit
 from .._core._storage import FileSystemReader, FileSystemWriter, parse_json, read_small_file
@@ -270,9 +270,12 @@ class LocalStore:
             comm = Comm(None, local=True)
             planner = DefaultSavePlanner()
             job = prepare(state, planner, comm, 1, max_file_bytes(writer))
-            write_and_commit(job, writer, comm, live_data(planner))
+            metadata = write_and_commit(job, writer, comm, live_data(planner))
+            # the save id binds tier.json to this copy's data: another step's copy moved
+            # under this step's name is then foreign, not this step
+            bound = {**(mark or {}), "save_id": metadata.save_id}
             with open(os.path.join(tmp, MANIFEST), "w") as f:
-                json.dump(self.manifest(self.rank, step, layout, mark), f)
+                json.dump(self.manifest(self.rank, step, layout, bound), f)
             return self.publish(tmp, "local", self.rank, step)
         except BaseException:
             self._remove(tmp)
@@ -319,6 +322,10 @@ class LocalStore:
             return None
         if not is_committed(path):
             self._note(path, "not a committed checkpoint (missing metadata, truncated file)")
+            return None
+        saved = read_metadata(path).save_id
+        if m.get("save_id") != saved:
+            self._note(path, f"its data is save {saved}, its {MANIFEST} names another")
             return None
         return m
 

@@ -165,7 +165,15 @@ class StepStore:
         from ._io import why_step_not_committed
 
         try:
-            return why_step_not_committed(self, step)
+            why = why_step_not_committed(self, step)
+            if why is None:  # the checkpoint is whole; is it this step's?
+                recorded = (self._record(step) or {}).get("step", step)
+                if recorded != step:
+                    why = (
+                        f"its {MANAGER_FILE} says it holds step {recorded!r:.40}: another "
+                        "step's directory was copied here"
+                    )
+            return why
         except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
             return f"it cannot be read: {exc}"  # gone meanwhile, or for good
         except OSError as exc:
@@ -358,8 +366,8 @@ class StepStore:
                 pass
             raise
 
-    def read_metrics(self, step: int) -> dict[str, Any] | None:
-        """The metrics saved with ``step``, or None when it has no (readable) record."""
+    def _record(self, step: int) -> dict[str, Any] | None:
+        """The step's ``manager.json``, or None when it has no (readable) one."""
         name = f"{self._step_path(step)}/{MANAGER_FILE}"
         try:
             if self.local:  # never a planted symlink, and a FIFO does not block
@@ -369,5 +377,9 @@ class StepStore:
             record = parse_json(raw)
         except (OSError, ValueError):
             return None
-        metrics = record.get("metrics") if isinstance(record, dict) else None
+        return record if isinstance(record, dict) else None
+
+    def read_metrics(self, step: int) -> dict[str, Any] | None:
+        """The metrics saved with ``step``, or None when it has no (readable) record."""
+        metrics = (self._record(step) or {}).get("metrics")
         return metrics if isinstance(metrics, dict) else None
