@@ -134,3 +134,22 @@ def test_a_ram_copy_moved_under_another_steps_name_is_not_that_step(tmp_path):
         out = {"w": torch.zeros(4)}
         mgr.restore(2, out)
         assert out["w"].tolist() == [2.0] * 4
+
+
+def test_materialize_refuses_a_damaged_step_instead_of_archiving_it(tmp_path):
+    src = tmp_path / "ck"
+    dcp.save({"w": torch.arange(64.0)}, checkpoint_id=src)
+    data = next(n for n in os.listdir(src) if n.startswith("data-"))
+    with open(src / data, "r+b") as f:  # one bit of the tensor's bytes (its own file)
+        f.seek(-8, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-8, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    result = shardkit("ckpt", "materialize", src, tmp_path / "archive", code=3)
+    assert "checksum mismatch" in result.stderr
+    assert not (tmp_path / "archive").exists()
+    dcp.save({"w": torch.arange(64.0)}, checkpoint_id=tmp_path / "good")
+    shardkit("ckpt", "materialize", tmp_path / "good", tmp_path / "copy", code=0)
+    out = {"w": torch.zeros(64)}
+    dcp.load(out, checkpoint_id=tmp_path / "copy")
+    assert torch.equal(out["w"], torch.arange(64.0))

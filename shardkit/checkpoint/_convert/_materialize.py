@@ -40,14 +40,24 @@ def _chunk_parts(reader: FileSystemReader, chunk, itemsize: int, label: str):
             raise CorruptCheckpointError(f"{label}: checksum mismatch in block {i}")
 
 
+def _verify_objects(reader: FileSystemReader, md: Metadata, src) -> None:
+    """Every pickled value's bytes against its checksum (they are copied as they are)."""
+    for key, o in md.objects.items():
+        buf = bytearray(o.nbytes)
+        reader.read_into(o.file, o.offset, memoryview(buf))
+        if xxhash.xxh3_64_hexdigest(buf) != o.checksum:
+            raise CorruptCheckpointError(f"{src}: checksum mismatch for key {key!r} in {o.file}")
+
+
 def materialize(
     src: str | os.PathLike, dst: str | os.PathLike, *, storage_options: dict | None = None
 ) -> Metadata:
     """Copy checkpoint ``src`` to a new directory ``dst`` that references nothing outside it.
 
-    Files of ``src``'s own directory are copied as they are; for each file an incremental
-    checkpoint links in a sibling directory, a new file holding only the chunks it reads
-    is written (their checksums are verified on the way). The copy is a version 2
+    Every data file, of ``src``'s own directory or linked by an incremental checkpoint
+    from a sibling one, is rewritten holding only the chunks it is read for, each
+    checksum verified on the way, so copying a damaged checkpoint fails
+    (:class:`CorruptCheckpointError`) instead of archiving the damage. The copy is a version 2
     checkpoint that can be moved anywhere; ``dst`` must not hold a checkpoint yet.
     A full checkpoint is copied as it is.
 
@@ -60,12 +70,17 @@ def materialize(
     writer = FileSystemWriter(dst, storage_options=storage_options)
     if METADATA_FILE in writer.list_files():
         raise FileExistsError(f"{os.fspath(dst)!r} already holds a checkpoint; pick a new path")
+    data_files = sorted({c.file for t in md.tensors.values() for c in t.chunks})
+    _verify_objects(reader, md, src)
     for name, size in md.files.items():
-        writer.write_file(name, _copy_parts(reader, name, size))
+        if name not in data_files:  # an objects file, verified above
+            writer.write_file(name, _copy_parts(reader, name, size))
     files = dict(md.files)
     moved: dict[tuple[str, str, tuple], int] = {}
 
-    for name in md.linked:
+    # every data file, its own or linked, is rebuilt from its chunks, each checksum
+    # block verified on the way: a copy of a damaged step must fail, not archive it
+    for name in data_files:
         spans = sorted(
             (
                 (c.offset, c.nbytes == 0, c.name, key, c)
@@ -94,10 +109,7 @@ def materialize(
         key: dataclasses.replace(
             t,
             chunks=tuple(
-                dataclasses.replace(c, offset=moved[(key, c.file, c.box.offsets)])
-                if c.file in md.linked
-                else c
-                for c in t.chunks
+                dataclasses.replace(c, offset=moved[(key, c.file, c.box.offsets)]) for c in t.chunks
             ),
         )
         for key, t in md.tensors.items()
