@@ -207,3 +207,15 @@ def test_cli_to_hf_needs_a_config_and_reports_missing_parameters(gpt2_ckpt, tmp_
     out = capsys.readouterr().out
     assert "tied (written once): lm_head.weight -> transformer.wte.weight" in out
     assert "dropped 1 key(s)" in out and "  optim" in out
+
+
+def test_a_config_path_that_is_no_regular_file_is_refused_at_once(gpt2_ckpt, tmp_path):
+    import os
+
+    from hostile import fail_after
+
+    tmp, _ = gpt2_ckpt
+    os.mkfifo(tmp_path / "config.json")  # reading it would wait for a writer forever
+    for path in (tmp_path / "config.json", "/dev/zero"):
+        with fail_after(60), pytest.raises(OSError, match="not a regular file"):
+            to_hf(tmp / "train", tmp_path / "out", config=str(path))

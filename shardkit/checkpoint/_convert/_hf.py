@@ -19,18 +19,21 @@ from typing import Any
 import fsspec
 import torch
 import torch.distributed as dist
+from fsspec.implementations.local import LocalFileSystem
 
 from ... import runtime
 from .._core._errors import CheckpointError
 from .._core._format import Metadata
 from .._core._planner import unwrapped, wrapped_pairs
-from .._core._storage import parse_json
+from .._core._storage import parse_json, read_small_file
 from ._io import SafetensorsStreamWriter, check_progress, checkpoint_metadata, read_full
 
 __all__ = ["HFExport", "HFTemplate", "to_hf", "hf_template", "parse_size"]
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+#: far more than any model config; a bound for a file given by a user or found in a directory
+_MAX_CONFIG_BYTES = 16 << 20
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -95,11 +98,19 @@ def _config_dict(config: Any) -> dict:
     if isinstance(config, Mapping):
         return dict(config)
     if isinstance(config, (str, os.PathLike)):
-        with fsspec.open(os.fspath(config), "r") as f:
-            try:  # too deep, invalid UTF-8 or not JSON: a ValueError (parse_json)
-                data = parse_json(f.read())
-            except ValueError as exc:
-                raise ValueError(f"config file {os.fspath(config)!r} is not JSON ({exc})") from None
+        name = os.fspath(config)
+        fs, path = fsspec.core.url_to_fs(name)
+        if isinstance(fs, LocalFileSystem):  # never blocks on a FIFO, never reads /dev/zero
+            raw = read_small_file(path, _MAX_CONFIG_BYTES)
+        else:
+            with fs.open(path, "rb") as f:
+                raw = f.read(_MAX_CONFIG_BYTES + 1)
+        if len(raw) > _MAX_CONFIG_BYTES:
+            raise ValueError(f"config file {name!r} is over {_MAX_CONFIG_BYTES} bytes")
+        try:  # too deep, invalid UTF-8 or not JSON: a ValueError (parse_json)
+            data = parse_json(raw)
+        except ValueError as exc:
+            raise ValueError(f"config file {name!r} is not JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {os.fspath(config)!r} holds no JSON object")
         return data
