@@ -51,7 +51,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hook", default="powerSGD")
     parser.add_argument("--rank", type=int, default=2, help="PowerSGD matrix rank")
-    parser.add_argument("--start", type=int, default=20, help="start_powerSGD_iter")
+    # not --start: torchrun's own parser would take it for an abbreviation of its
+    # --start-method when written after the script name
+    parser.add_argument("--powersgd-start", type=int, default=20, help="start_powerSGD_iter")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     args = parser.parse_args()
@@ -67,7 +69,7 @@ def main() -> None:
         nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
     )
     ddp = DDP(model)
-    register(ddp, args.hook, args.rank, args.start)
+    register(ddp, args.hook, args.rank, args.powersgd_start)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
 
     global_batch = args.batch * world

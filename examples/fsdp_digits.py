@@ -59,6 +59,9 @@ def main() -> None:
             loss.backward()
             opt.step()
     acc = accuracy(model)
+    mine = sum(p.numel() for p in model.parameters())  # this rank's shard of every unit
+    total = sum(p.numel() for p in make_model().parameters())
+    print(f"rank {rank} of {world}: holds {mine} of {total} parameters", flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     prefix = os.path.join(args.out, "digits")

@@ -122,10 +122,16 @@ def _check(args: argparse.Namespace) -> None:
     if args.hook != "none" and args.strategy != "ddp":
         raise CliError(f"--hook {args.hook} applies to --strategy ddp only, not {args.strategy}")
     _check_restart(args)
-    if args.batch_size < args.nproc * args.nnodes:
+    world = args.nproc * args.nnodes
+    if args.batch_size < world:
         raise CliError(
-            f"--batch-size {args.batch_size} is smaller than the number of ranks "
-            f"({args.nproc * args.nnodes})"
+            f"--batch-size {args.batch_size} is smaller than the number of ranks ({world})"
+        )
+    per_rank = -(-args.batch_size // world)  # rows are split as torch.chunk splits them
+    if per_rank * (world - 1) >= args.batch_size:
+        raise CliError(
+            f"--batch-size {args.batch_size} leaves rank {world - 1} no rows: the ranks take "
+            f"{per_rank} each in turn; use a multiple of {world}"
         )
 
 
@@ -154,6 +160,24 @@ def _check_restart(args: argparse.Namespace) -> None:
         raise CliError(
             f"--kill-rank {args.kill_rank} needs --max-restarts 1 or more, or the run just fails"
         )
+
+
+def _check_out(out: str) -> None:
+    """Refuse an --out the demo would clobber or cannot write, before any rank starts."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CliError(f"--out {out} is a file; give a directory (new or empty)")
+    ckpt_dir = os.path.join(out, "checkpoints")
+    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
+        raise CliError(f"{ckpt_dir} already holds checkpoints; pass an empty --out directory")
+    model = os.path.join(out, "model.safetensors")
+    if os.path.exists(model):
+        raise CliError(f"{model} exists and the demo would replace it; pass an empty --out")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise CliError(f"--out {out} cannot be written: {exc.strerror or exc}") from None
 
 
 def _run_phase(args, phase: int, port: int, worker_args: list[str], env: dict) -> None:
@@ -198,7 +222,11 @@ def summarize(reports: list[dict], wall: float) -> str:
         f"  strategy            {name}, {last['world_size']} rank{'s' if last['world_size'] != 1 else ''}",
     ]
     for r in reports:
-        note = f"steps {r['start_step']}..{r['last_step']}"
+        note = (
+            f"steps {r['start_step']}..{r['last_step']}"
+            if r["steps_run"]
+            else f"no steps left to run (all {r['start_step']} done)"
+        )
         if r["resumed_from"] is not None:
             note += f", resumed from step {r['resumed_from']}"
         if r["preempted_at"] is not None:
@@ -254,10 +282,8 @@ def run_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     began = time.perf_counter()
     out = args.out or tempfile.mkdtemp(prefix="shardkit-demo-")
+    _check_out(out)
     ckpt_dir = os.path.join(out, "checkpoints")
-    if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-        raise CliError(f"{ckpt_dir} already holds checkpoints; pass an empty --out directory")
-    os.makedirs(out, exist_ok=True)
     report = os.path.join(out, "report.jsonl")
     if args.node_rank == 0:
         for stale in (report, os.path.join(out, "kill.json")):

@@ -77,7 +77,8 @@ def _fsdp(kind, variant):
     if variant.endswith("_ckpt"):
         kwargs["auto_wrapper_callable"] = lambda m, **kw: FSDP(checkpoint_module(m), **kw)
     if variant.endswith("_hfgc"):
-        model.gradient_checkpointing_enable()
+        # transformers 5.x renamed it (the old name warns); 4.x has only the old one
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     if variant == "zero3_bf16":
         kwargs["compute_dtype"] = torch.bfloat16
     return FSDP(model, auto_wrap_policy=policy(kind), **kwargs)

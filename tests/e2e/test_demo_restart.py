@@ -92,3 +92,27 @@ def test_restart_options_are_checked_before_anything_runs(tmp_path, capsys):
         assert code == 2 and err.startswith("shardkit: error:"), (extra, err)
         assert message in err, (extra, err)
     assert not (tmp_path / "x").exists()  # refused before the work directory was made
+
+
+def test_out_and_batch_problems_are_refused_before_any_rank_starts(tmp_path, capsys):
+    # found running the demo as users do (2026-11-29): an existing model.safetensors was
+    # replaced without a word, --out naming a file gave "[Errno 17] File exists", and a
+    # batch torch.chunk splits into fewer pieces than ranks crashed a rank (IndexError)
+    from shardkit.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "model.safetensors").write_bytes(b"mine")
+    cases = [
+        (["--out", str(tmp_path / "afile")], "is a file"),
+        (["--out", str(tmp_path / "used")], "model.safetensors exists"),
+        (["--out", "/proc/self/x"], "cannot be written"),
+        (["--out", str(tmp_path / "y"), "--nproc", "3", "--batch-size", "4"], "no rows"),
+    ]
+    for extra, message in cases:
+        code = main(["demo", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("shardkit: error:"), (extra, err)
+        assert message in err, (extra, err)
+    assert (tmp_path / "used" / "model.safetensors").read_bytes() == b"mine"
+    assert not (tmp_path / "y").exists()

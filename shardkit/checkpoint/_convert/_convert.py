@@ -7,6 +7,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from typing import Any
 
 import fsspec
@@ -253,7 +254,11 @@ def import_torch_dcp(
         # the metadata is checked, so a failure here means damaged data files
         with damage_is_corruption(f"{source}: reading {keys} failed"):
             try:
-                tdcp.load(state, storage_reader=reader, planner=safe_dcp_planner(), no_dist=True)
+                with warnings.catch_warnings():  # no_dist is ours: each rank reads it all
+                    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                    tdcp.load(
+                        state, storage_reader=reader, planner=safe_dcp_planner(), no_dist=True
+                    )
             except CheckpointException as exc:  # a BaseException: unwrap the rank's own error
                 for inner, _ in exc.failures.values():
                     raise inner from None
