@@ -115,7 +115,11 @@ def test_torch_dcp_checkpoint_imports_and_loads_into_a_model(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns that no process group is initialized
         tdcp.save({"model": model.state_dict(), "epoch": 3}, checkpoint_id=str(tmp_path / "tdcp"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         format_utils.import_torch_dcp(tmp_path / "tdcp", tmp_path / "ck", progress=False)
+    # torch's "torch.distributed is disabled" warning was passed on, on every rank too
+    assert [str(w.message) for w in caught] == []
     fresh = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
     state = {"model": fresh.state_dict(), "epoch": 0}
     dist_cp.load(state, checkpoint_id=tmp_path / "ck")
