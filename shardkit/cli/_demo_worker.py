@@ -244,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run one phase of the demo on this rank."""
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a rank is stuck
-    run(_parse(argv))
+    try:
+        run(_parse(argv))
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line each, not a traceback
+        print(f"[shardkit demo] rank {os.environ.get('RANK', '0')} interrupted", flush=True)
+        return 130
     import torch.distributed as dist
 
     if dist.is_initialized():
