@@ -24,7 +24,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import shardkit.checkpoint as dcp
 from shardkit.checkpoint import CheckpointError, CheckpointManager
-from shardkit.checkpoint._core._storage import refuse_per_process
+from shardkit.checkpoint._core._fs_rules import refuse_per_process
 
 
 class _FailingFS(MemoryFileSystem):

@@ -25,6 +25,7 @@ from ._comm import Comm
 from ._copy import copy_into
 from ._flatten import Flat, flatten
 from ._format import Metadata
+from ._fs_rules import refuse_per_process
 from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
 from ._replicas import check_verify_replicas
 from ._save import (
@@ -37,7 +38,7 @@ from ._save import (
     wait_for_inflight,
     write_and_commit,
 )
-from ._storage import FileSystemWriter, StorageWriter, refuse_per_process
+from ._storage import FileSystemWriter, StorageWriter
 from ._torch_args import check_async_args
 from ._zero_stall import STAGING_THREAD, STATS, Snapshot, Staging, protect
 

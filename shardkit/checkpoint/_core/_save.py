@@ -34,6 +34,7 @@ from ._format import (
     row_bytes,
     safetensors_header,
 )
+from ._fs_rules import refuse_per_process
 from ._planner import DefaultSavePlanner, SavePlan, SavePlanner, WriteItem
 from ._replicas import (
     ReplicaPlan,
@@ -48,7 +49,7 @@ from ._replicas import (
     warn_mismatches,
 )
 from ._save_metadata import build_metadata, entries
-from ._storage import FileSystemWriter, StorageWriter, refuse_per_process, resolve_storage
+from ._storage import FileSystemWriter, StorageWriter, resolve_storage
 from ._superseded import join_cleanups, remove_superseded
 from ._torch_args import check_no_dist
 

@@ -28,7 +28,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ... import runtime
 from .._core._errors import CheckpointError
-from .._core._storage import parse_json, publish_file, read_small_file
+from .._core._fs_rules import publish_file
+from .._core._storage import parse_json, read_small_file
 
 __all__ = ["LEASE_FILE", "Lease", "LeaseHeldError", "LeaseLostError"]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ... import runtime
 from .._core._errors import CheckpointError
-from .._core._storage import refuse_per_process
+from .._core._fs_rules import refuse_per_process
 from ._background import BackgroundMethods
 from ._checks import check_metrics as _check_metrics
 from ._checks import nonneg_int as _nonneg_int

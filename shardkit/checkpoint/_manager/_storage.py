@@ -28,7 +28,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .._core._errors import CheckpointError
 from .._core._format import METADATA_FILE
-from .._core._storage import parse_json, publish_file, read_small_file, refuse_glob_characters
+from .._core._fs_rules import publish_file, refuse_glob_characters
+from .._core._storage import parse_json, read_small_file
 
 __all__ = ["StepStore"]
 
