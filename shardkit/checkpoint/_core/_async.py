@@ -40,7 +40,7 @@ from ._save import (
 )
 from ._storage import FileSystemWriter, StorageWriter
 from ._torch_args import check_async_args
-from ._zero_stall import STAGING_THREAD, STATS, Snapshot, Staging, protect
+from ._zero_stall import STAGING_THREAD, STATS, Snapshot, Staging, copy_values, protect
 
 __all__ = ["async_save"]
 
@@ -199,6 +199,8 @@ def async_save(
     try:
         flat = flatten(state_dict, for_save=True)
         snapshot = protect(flat) if zero_stall else None
+        if snapshot is None:  # staged in the call: its values are taken now too
+            copy_values(flat)
     except Exception as exc:  # reported inside prepare's agreement, so no rank hangs
         error = exc
     job, staged, staging = None, None, None

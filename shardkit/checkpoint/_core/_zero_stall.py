@@ -235,7 +235,13 @@ def protect(flat: Flat) -> Snapshot | None:
     for key, leaf in flat.tensors.items():
         owner = owners.get(_storage_key(leaf.local))
         if owner is not None:
-            versions[key] = ((leaf.local, leaf.local._version), (owner, owner._version))
+            watched = [(leaf.local, leaf.local._version), (owner, owner._version)]
+            # a ShardedTensor's (or DTensor's) own shard: a write to it (p.local_tensor()
+            # .add_(), p[0] = 0) bumps only its counter, not the wrapper's or the leaf's
+            inner = getattr(owner, "_local_tensor", None)
+            if isinstance(inner, torch.Tensor):
+                watched.append((inner, inner._version))
+            versions[key] = tuple(watched)
         else:
             others.append(leaf)
     if not versions:
@@ -246,7 +252,13 @@ def protect(flat: Flat) -> Snapshot | None:
     with torch.no_grad():
         for leaf in others:
             leaf.local = leaf.local.clone(memory_format=torch.contiguous_format)
-    flat.values = {
-        k: copy.deepcopy(v) if isinstance(v, (dict, list)) else v for k, v in flat.values.items()
-    }
+    copy_values(flat)
     return snapshot
+
+
+def copy_values(flat: Flat) -> None:
+    """Take the state dict's non-tensor values as they are now: they are encoded or
+    pickled later, on the background thread, after training has gone on (a list
+    appended to, a tuple holding a list, a pickled set changed)."""
+    flat.values = {k: copy.deepcopy(v) for k, v in flat.values.items()}
+    flat.objects = {k: copy.deepcopy(v) for k, v in flat.objects.items()}

@@ -10,7 +10,6 @@ each rank's source; see docs/checkpoint-manager.md, "Tiers and recovery".
 
 from __future__ import annotations
 
-import copy
 import datetime
 import logging
 import os
@@ -28,7 +27,7 @@ from .._core._comm import Comm
 from .._core._copy import copy_into
 from .._core._errors import CheckpointError
 from .._core._flatten import Flat, flatten
-from .._core._zero_stall import Snapshot, Staging, protect, wait_for_staging
+from .._core._zero_stall import Snapshot, Staging, copy_values, protect, wait_for_staging
 from ._local import LocalStore, localized, shard_layout
 from ._peer import exchange
 from ._run import read_run_id
@@ -206,7 +205,7 @@ class TierEngine:
         snapshot = protect(flat) if self.mgr.zero_stall else None
         tensors, staging = None, None
         if snapshot is None:  # nothing an optimizer owns: copy it all in the call
-            flat.values = copy.deepcopy(flat.values)
+            copy_values(flat)
             tensors = self._stage(flat, None)
         else:  # optimizer steps wait until the background thread has copied it
             staging = Staging()
