@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._errors import FSDPUsageError
 from ._layout import SlotLayout
 from ._options import FSDPOptions
 from ._unit import ManagedParam
@@ -68,6 +69,12 @@ def shard_parameters(
     """Replace every parameter the unit owns by this rank's dim-0 rows (one per tied group)."""
     found: dict[int, tuple[nn.Parameter, list, list]] = {}
     for prefix, mod in own_named(root):
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and mod._parameters:
+            raise FSDPUsageError(
+                f"module {prefix.rstrip('.') or type(root).__name__!r} "
+                f"({type(mod).__name__}(sparse=True)) gives sparse gradients, which FSDP "
+                "cannot reduce-scatter into shards; build it with sparse=False"
+            )
         for name, p in mod._parameters.items():
             if p is None:
                 continue

@@ -18,6 +18,7 @@ import torch
 
 from .. import runtime
 from ..spmd import Mesh, Placement, ShardedTensor
+from ._errors import FSDPUsageError
 from ._state import _CKPT_WRAPPED, MESH_AXIS
 
 __all__ = [
@@ -215,7 +216,29 @@ def _load_pre_hook(optim, state_dict: dict) -> dict:
     return {**state_dict, "state": state}
 
 
+#: torch optimizers whose update of a parameter is not element by element (whole-tensor
+#: norms, row and column statistics, line searches): on rows of a parameter they compute
+#: a different update on each rank, silently. torch's FSDP2 refuses them too.
+_NOT_ELEMENTWISE = tuple(
+    cls for cls in (getattr(torch.optim, n, None) for n in ("Adafactor", "LBFGS")) if cls
+)
+
+
+def _refuse_not_elementwise(optim) -> None:
+    if isinstance(optim, _NOT_ELEMENTWISE) and any(
+        _rows_info(p) is not None for p in _params(optim)
+    ):
+        raise FSDPUsageError(
+            f"{type(optim).__name__} updates each parameter from statistics of the whole "
+            "tensor (norms, row and column means, a line search), but under FSDP each rank "
+            "holds only some rows, so every rank would compute a different, wrong update. "
+            "Use an optimizer whose update is element by element (AdamW, Adam, SGD, "
+            "RMSprop, ...), or shardkit.ddp for this model"
+        )
+
+
 def _step_pre_hook(optim, args, kwargs) -> None:
+    _refuse_not_elementwise(optim)  # every rank raises alike, at the same step
     seen = getattr(optim, "_shardkit_fsdp_groups", None)
     if seen == len(optim.param_groups):
         return
