@@ -9,7 +9,7 @@ import xxhash
 
 from .._core._errors import CorruptCheckpointError
 from .._core._format import FORMAT_VERSION, METADATA_FILE, Metadata, row_bytes, safetensors_header
-from .._core._load import read_metadata
+from .._core._load import object_bytes, read_metadata
 from .._core._storage import FileSystemReader, FileSystemWriter
 from .._core._validate import check_files
 
@@ -42,11 +42,11 @@ def _chunk_parts(reader: FileSystemReader, chunk, itemsize: int, label: str):
 
 def _verify_objects(reader: FileSystemReader, md: Metadata, src) -> None:
     """Every pickled value's bytes against its checksum (they are copied as they are)."""
-    for key, o in md.objects.items():
-        buf = bytearray(o.nbytes)
-        reader.read_into(o.file, o.offset, memoryview(buf))
-        if xxhash.xxh3_64_hexdigest(buf) != o.checksum:
-            raise CorruptCheckpointError(f"{src}: checksum mismatch for key {key!r} in {o.file}")
+    for key in md.objects:
+        try:
+            object_bytes(reader, key, md)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{src}: {exc}") from None
 
 
 def materialize(

@@ -104,6 +104,11 @@ def why_not_committed(
 
 
 def _load_object(reader: StorageReader, key: str, metadata: Metadata) -> Any:
+    return pickle.loads(object_bytes(reader, key, metadata))
+
+
+def object_bytes(reader: StorageReader, key: str, metadata: Metadata) -> bytes:
+    """The pickled bytes of value ``key``, checked against their checksum."""
     meta = metadata.objects[key]
     buf = bytearray(meta.nbytes)
     try:
@@ -112,7 +117,7 @@ def _load_object(reader: StorageReader, key: str, metadata: Metadata) -> Any:
         raise CorruptCheckpointError(f"cannot read key {key!r} from {meta.file}: {exc}") from None
     if xxhash.xxh3_64_hexdigest(buf) != meta.checksum:
         raise CorruptCheckpointError(f"checksum mismatch for key {key!r} in file {meta.file}")
-    return pickle.loads(bytes(buf))
+    return bytes(buf)
 
 
 def _check_value_slots(flat: Flat, metadata: Metadata, planner: LoadPlanner) -> None:
