@@ -10,11 +10,9 @@ checked against the zip directory, and a tensor's bytes are then read on demand 
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import re
-import stat
 import struct
 import warnings
 import zipfile
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 
 from .._core._errors import CorruptCheckpointError, damage_is_corruption
+from .._core._storage import open_regular
 
 __all__ = ["TorchFile", "byte_order_error", "check_views", "records", "torch_load"]
 
@@ -168,15 +167,11 @@ class TorchFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
-        # never blocking: a FIFO planted under the name is refused at once, not waited on
-        self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        # a FIFO planted under the name is refused at once, not waited on
+        self._fd = open_regular(self.path)
         self._map: mmap.mmap | None = None
         try:
-            info = os.fstat(self._fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise OSError(errno.EINVAL, "not a regular file", self.path)
-            os.set_blocking(self._fd, True)
-            self.size = info.st_size
+            self.size = os.fstat(self._fd).st_size
             with open(self._fd, "rb", closefd=False) as f:
                 if f.read(4) != b"PK\x03\x04":
                     raise ValueError(

@@ -29,15 +29,28 @@ _WRITE_CHUNK = 1 << 20
 DEFAULT_MAX_FILE_BYTES = 4 << 30
 
 
-def read_small_file(path: str, limit: int) -> bytes:
-    """Up to ``limit + 1`` bytes of the local regular file ``path`` (more than ``limit``
-    means it is too large). Never through a symlink and never blocking: a FIFO, device
-    or directory planted under the name raises OSError at once instead of hanging."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+def open_regular(path: str, *, follow_symlinks: bool = True) -> int:
+    """A read-only descriptor of the local regular file ``path``, opened without
+    blocking: a FIFO, device or directory planted under the name raises OSError
+    (EINVAL) at once instead of hanging or reading forever."""
+    nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
+    fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, f"{path} is not a regular file")
         os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small_file(path: str, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes of the local regular file ``path`` (more than ``limit``
+    means it is too large). Never through a symlink and never blocking (see
+    :func:`open_regular`)."""
+    fd = open_regular(path, follow_symlinks=False)
+    try:
         return os.read(fd, limit + 1)
     finally:
         os.close(fd)
