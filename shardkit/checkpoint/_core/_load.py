@@ -94,13 +94,22 @@ def why_not_committed(
     """None for a committed checkpoint (see :func:`is_committed`), else why it is not:
     the first check it fails, naming the file (malformed metadata, a missing or cut-short
     data file...)."""
-    reader = FileSystemReader(checkpoint_id, storage_options=storage_options)
     try:
-        metadata = _metadata(reader)
-        _check_files(reader, metadata, metadata.file_names(), {})
+        committed_metadata(checkpoint_id, storage_options=storage_options)
     except CheckpointError as exc:
         return str(exc)
     return None
+
+
+def committed_metadata(
+    checkpoint_id: str | os.PathLike, *, storage_options: dict | None = None
+) -> Metadata:
+    """The metadata of the checkpoint at ``checkpoint_id`` once it passed every check of
+    :func:`is_committed`; else ``CheckpointError`` naming the first it fails."""
+    reader = FileSystemReader(checkpoint_id, storage_options=storage_options)
+    metadata = _metadata(reader)
+    _check_files(reader, metadata, metadata.file_names(), {})
+    return metadata
 
 
 def _load_object(reader: StorageReader, key: str, metadata: Metadata) -> Any:

@@ -35,7 +35,7 @@ from .._core._errors import CheckpointError
 from .._core._flatten import Flat
 from .._core._format import METADATA_FILE
 from .._core._load import _metadata as read_core_metadata
-from .._core._load import is_committed, load_with_metadata, read_metadata
+from .._core._load import committed_metadata, load_with_metadata
 from .._core._planner import DefaultLoadPlanner, DefaultSavePlanner
 from .._core._save import live_data, max_file_bytes, prepare, write_and_commit
 from .._core._storage import FileSystemReader, FileSystemWriter, parse_json, read_small_file
@@ -320,10 +320,11 @@ class LocalStore:
         if not isinstance(m.get("fp"), str) or m["fp"] != layout_fingerprint(m.get("layout")):
             self._note(path, "its layout does not match its fingerprint")
             return None
-        if not is_committed(path):
+        try:  # one read of the metadata, for both checks
+            saved = committed_metadata(path).save_id
+        except CheckpointError:
             self._note(path, "not a committed checkpoint (missing metadata, truncated file)")
             return None
-        saved = read_metadata(path).save_id
         if m.get("save_id") != saved:
             self._note(path, f"its data is save {saved}, its {MANIFEST} names another")
             return None
