@@ -403,3 +403,39 @@ def test_a_full_ram_disk_on_the_replica_side_fails_both_ranks_without_a_hang(tmp
     assert failed[0][0][0] == failed[1][0][0]  # at the same save
     assert "failed on another rank" in failed[0][0][1]
     assert "No space left on device" in failed[1][0][1] and "rank 0's shard" in failed[1][0][1]
+
+
+def _sender_cannot_map(root):
+    """Rank 0 cannot map its copy's files (ENOMEM, or a file changed since it was
+    listed). It used to fail after its peer had posted the receives, and rank 1 waited
+    out the group's 10-minute timeout; rank 0 now sends "nothing" and both go on."""
+    import errno
+
+    import torch.distributed as dist
+
+    from shardkit.checkpoint._manager import _peer
+
+    if dist.get_rank() == 0:
+        own = _peer._map
+
+        def no_memory(path, size, maps, *, receive):
+            if not receive:
+                raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+            return own(path, size, maps, receive=receive)
+
+        _peer._map = no_memory
+    out = []
+    with _mgr(root) as mgr:
+        for step in (1, 2):
+            out.append(mgr.save_async(step, _state(step)))
+        mgr.join()
+        replicas = os.path.join(_node(root), "replica", f"rank_{1 - dist.get_rank():05d}")
+        return out, sorted(os.listdir(replicas)) if os.path.isdir(replicas) else []
+
+
+def test_a_sender_that_cannot_map_its_copy_sends_nothing_and_no_rank_waits(tmp_path):
+    env = {"LOCAL_WORLD_SIZE": "1"}
+    got = run_ranks(_sender_cannot_map, 2, str(tmp_path), timeout=90, env=env)
+    assert [out for out, _ in got] == [[True, True], [True, True]], got
+    assert got[0][1] == ["step_00000001", "step_00000002"]  # rank 1's replicas arrived
+    assert got[1][1] == []  # rank 0's never left

@@ -159,14 +159,45 @@ def exchange(
     the files (only when accepted). Raises :class:`CorruptCheckpointError` for a refused
     header or an invalid copy, after the pair finished its phases.
     """
+    maps: list = []
+    try:
+        # the sender maps its files before announcing them: a copy that cannot be mapped
+        # (gone, changed, no memory) is sent as "nothing", so no receiver posts receives
+        # for bytes that never come and waits out the group's timeout
+        files, sends = _open_copy(send_path, send_to, maps) if send_to is not None else (None, [])
+        raw = b"" if files is None else json.dumps({"step": step, "files": files}).encode()
+        return _run_phases(
+            group, step=step, send_to=send_to, raw=raw, sends=sends, recv_from=recv_from,
+            store=store, recv_kind=recv_kind, recv_src=recv_src, cap=cap, keep=keep, maps=maps,
+        )  # fmt: skip
+    finally:
+        _unmap(maps)
+
+
+def _open_copy(path: str | None, peer: int, maps: list) -> tuple[list[list] | None, list]:
+    """The ``[name, size]`` list of the copy at ``path`` and the ``(piece, peer)`` sends
+    of its mapped files; ``(None, [])`` (send "nothing") if any file cannot be listed or
+    mapped."""
+    if path is None:
+        return None, []
+    sends: list = []
+    try:
+        files = copy_files(path)
+        for name, size in files:
+            if size:
+                sends += _pieces(_map(os.path.join(path, name), size, maps, receive=False), peer)
+        return files, sends
+    except OSError:
+        sends.clear()
+        _unmap(maps)
+        return None, []
+
+
+def _run_phases(
+    group, *, step, send_to, raw, sends, recv_from, store, recv_kind, recv_src, cap, keep, maps
+) -> str | None:
+    """The four phases of :func:`exchange`, with the sender's files already mapped."""
     sending, receiving = send_to is not None, recv_from is not None
-    files, raw = [], b""
-    if sending and send_path is not None:
-        try:
-            files = copy_files(send_path)
-            raw = json.dumps({"step": step, "files": files}).encode()
-        except OSError:
-            files, raw = [], b""
     # 1. header lengths (-1: nothing to send)
     out_len = torch.tensor([len(raw) if raw else -1], dtype=torch.int64)
     in_len = torch.zeros(1, dtype=torch.int64)
@@ -194,7 +225,7 @@ def exchange(
             error = exc
     # 3. the receiver makes room for the copy (space reserved), then answers the sender:
     # a receiver that cannot take it refuses here, so no sender waits on a send forever
-    sends, recvs, tmp, maps = [], [], None, []
+    recvs, tmp = [], None
     try:
         if n_in > 0 and error is None:
             assert store is not None and recv_src is not None
@@ -214,13 +245,7 @@ def exchange(
             group, [(accept, recv_from)] if n_in > 0 else [], [(accepted, send_to)] if raw else []
         )
         # 4. the files, straight from the sender's mapped files into the receiver's
-        if raw and accepted.item():
-            for name, size in files:
-                if size:
-                    sends += _pieces(
-                        _map(os.path.join(send_path, name), size, maps, receive=False), send_to
-                    )
-        _post(group, sends, recvs)
+        _post(group, sends if raw and accepted.item() else [], recvs)
     except BaseException:
         if tmp is not None:
             store._remove(tmp)
