@@ -368,13 +368,19 @@ def _full_ram_disk(root, where):
     import torch.distributed as dist
 
     from shardkit.checkpoint import CheckpointError
+    from shardkit.checkpoint._manager import _peer
     from shardkit.checkpoint._manager._local import LocalStore
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+    def bug(*args, **kwargs):
+        raise RuntimeError("not an OSError")
+
     if dist.get_rank() == 1 and where == "fallocate":
         os.posix_fallocate = full
+    elif dist.get_rank() == 1 and where == "bug":
+        _peer.take_spare = bug
     elif dist.get_rank() == 1:
         own = LocalStore.recycle
         LocalStore.recycle = lambda self, kind, *a: (full if kind == "replica" else own)(
@@ -394,7 +400,7 @@ def _full_ram_disk(root, where):
     return out
 
 
-@pytest.mark.parametrize("where", ["fallocate", "directory"])
+@pytest.mark.parametrize("where", ["fallocate", "directory", "bug"])
 def test_a_full_ram_disk_on_the_replica_side_fails_both_ranks_without_a_hang(tmp_path, where):
     env = {"LOCAL_WORLD_SIZE": "1"}
     got = run_ranks(_full_ram_disk, 2, str(tmp_path), where, timeout=90, env=env)
@@ -402,7 +408,8 @@ def test_a_full_ram_disk_on_the_replica_side_fails_both_ranks_without_a_hang(tmp
     assert [len(f) for f in failed] == [1, 1], got  # each rank raised once, and went on
     assert failed[0][0][0] == failed[1][0][0]  # at the same save
     assert "failed on another rank" in failed[0][0][1]
-    assert "No space left on device" in failed[1][0][1] and "rank 0's shard" in failed[1][0][1]
+    why = "not an OSError" if where == "bug" else "No space left on device"
+    assert why in failed[1][0][1] and "rank 0's shard" in failed[1][0][1]
 
 
 def _sender_cannot_map(root):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._core._errors import CorruptCheckpointError
+from .._core._errors import CheckpointError, CorruptCheckpointError
 from ._local import LocalStore, drop_spares, take_spare
 
 __all__ = ["exchange", "copy_files"]
@@ -232,11 +232,17 @@ def _run_phases(
             try:
                 tmp, spares = store.recycle(recv_kind, recv_src, step, keep)
                 recvs = _receive_into(tmp, spares, in_files, recv_from, maps)
-            except OSError as exc:  # e.g. ENOSPC on the RAM disk
-                error = OSError(
-                    exc.errno,
-                    f"cannot take the copy of rank {recv_src}'s shard at step {step} from "
-                    f"group rank {recv_from} into {tmp or store.root}: {exc.strerror or exc}",
+            except Exception as exc:  # e.g. ENOSPC on the RAM disk; any error refuses
+                # here, so the pair's messages stay in step (an unanswered sender would
+                # take this rank's next message for the answer)
+                where = (
+                    f"the copy of rank {recv_src}'s shard at step {step} from group rank "
+                    f"{recv_from} into {tmp or store.root}"
+                )
+                error = (
+                    OSError(exc.errno, f"cannot take {where}: {exc.strerror or exc}")
+                    if isinstance(exc, OSError)
+                    else CheckpointError(f"cannot take {where}: {type(exc).__name__}: {exc}")
                 )
                 recvs = []  # the maps made so far go in `finally`
         accept = torch.tensor([int(n_in > 0 and error is None)], dtype=torch.int64)
