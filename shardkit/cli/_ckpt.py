@@ -341,7 +341,11 @@ def _describe_file(path: str) -> dict:
     beyond what torch's ``weights_only`` loader allows)."""
     from ._ckpt_convert import Source
 
-    src = Source(path)
+    with Source(path) as src:
+        return _describe_source(path, src)
+
+
+def _describe_source(path: str, src) -> dict:
     tensors = {
         key: {
             "dtype": str(dtype).removeprefix("torch."),

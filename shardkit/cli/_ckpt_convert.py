@@ -183,6 +183,7 @@ class Source:
                 raise CliError(str(exc)) from None
             state = self._file.obj
             if not isinstance(state, dict):
+                self.close()
                 raise CliError(f"{path} holds a {type(state).__name__}, not a state dict")
             self._flat = dict(_flatten(state))
             for key, value in self._flat.items():
@@ -195,6 +196,18 @@ class Source:
                 f"{path} is a torch.distributed.checkpoint; convert it first: "
                 f"shardkit ckpt convert {path} DST --to shardkit"
             )
+
+    def close(self) -> None:
+        """Close the open torch file, if any (the other formats hold no descriptor)."""
+        file, self._file = getattr(self, "_file", None), None
+        if file is not None:
+            file.close()
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _local(self) -> str:
         if "://" in self.path and not self.path.startswith("file://"):
@@ -259,7 +272,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     Exits 0 when the checkpoints match and 1 when they differ, like diff(1).
     """
-    a, b = Source(args.a), Source(args.b)
+    with Source(args.a) as a, Source(args.b) as b:
+        return _diff(args, a, b)
+
+
+def _diff(args: argparse.Namespace, a: Source, b: Source) -> int:
     only_a, only_b = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
     differ: list[tuple[str, str]] = []
     same = 0

@@ -274,3 +274,18 @@ def test_diff_checks_file_sizes_before_allocating_a_declared_shape(tmp_path):
     assert dcp.read_metadata(ckpt).tensors["a"].shape == (n,)  # consistent in itself
     line = _error_line(shardkit("ckpt", "diff", ckpt, ckpt, code=EXIT_DAMAGED))
     assert chunk["file"] in line
+
+
+def test_commands_reading_torch_files_close_them(tmp_path):
+    """``diff`` and ``inspect`` of torch.save files, and one that holds no state dict,
+    leave no descriptor open in a process that goes on (main() called in-process)."""
+    import os
+
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "a.pt")
+    torch.save({"w": torch.arange(4.0) + 1}, tmp_path / "b.pt")
+    torch.save(torch.arange(3.0), tmp_path / "t.pt")
+    before = len(os.listdir("/proc/self/fd"))
+    shardkit("ckpt", "diff", tmp_path / "a.pt", tmp_path / "b.pt", code=1)
+    shardkit("ckpt", "inspect", tmp_path / "a.pt", code=0)
+    shardkit("ckpt", "diff", tmp_path / "t.pt", tmp_path / "a.pt", code=2)
+    assert len(os.listdir("/proc/self/fd")) == before
