@@ -31,7 +31,7 @@ class SpmdFullyShardedDataParallel(nn.Module):
             data parallelism across FSDP groups; parameters stay replicated over it.
 
     Plain tensor inputs are sharded along dim 0 (the batch); ShardedTensor inputs are
-    used as given. Gathered parameters stay alive until backward has used them (like
+    used as given. A parameter shared by several modules (tied weights) stays shared. Gathered parameters stay alive until backward has used them (like
     ZeRO-2's ``reshard_after_forward=False``).
     """
 
@@ -61,12 +61,18 @@ class SpmdFullyShardedDataParallel(nn.Module):
         self.shard_axis = shard_axis
         self.extra_data_axis = extra_data_axis
         self._handles = []
+        # a parameter owned by several modules (tied embeddings) is sharded once and the
+        # one sharded parameter set on every owner, so the tie holds and its gradient
+        # sums what flows back through each owner's gather
+        sharded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (old, new)
         for sub in module.modules():
             names = [n for n, p in sub.named_parameters(recurse=False) if p is not None]
             for name in names:
                 param = sub._parameters[name]
-                spec = (shard_axis,) + (None,) * (param.ndim - 1) if param.ndim else ()
-                setattr(sub, name, mark_sharding(param, mesh, spec))
+                if id(param) not in sharded:
+                    spec = (shard_axis,) + (None,) * (param.ndim - 1) if param.ndim else ()
+                    sharded[id(param)] = (param, mark_sharding(param, mesh, spec))
+                setattr(sub, name, sharded[id(param)][1])
             if names:
                 self._handles.append(sub.register_forward_pre_hook(_gather_hook(names)))
                 self._handles.append(sub.register_forward_hook(_release_hook(names)))
