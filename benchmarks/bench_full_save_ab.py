@@ -86,11 +86,18 @@ def main() -> None:
         order = list(trees) if rnd % 2 == 0 else list(trees)[::-1]
         med = {}
         for name in order:
-            # a process per tree: PYTHONPATH puts the tree before the editable install
-            cmd = [sys.executable, __file__, "--worker", trees[name], "--mib", str(args.mib),
-                   "--repeats", str(args.repeats), "--before", args.before]  # fmt: skip
+            # A process per tree: PYTHONPATH puts the tree before the editable install. Its
+            # working directory is the tree too: the harness's forkserver imports shardkit
+            # before its ranks get this process's sys.path, and on Python < 3.12.8 it looks
+            # in its working directory first (CPython gh-117378). From the repository root,
+            # the "before" ranks would otherwise run this tree's shardkit.
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", trees[name],
+                   "--mib", str(args.mib), "--repeats", str(args.repeats),
+                   "--before", trees["before"]]  # fmt: skip
             env = {**os.environ, "PYTHONPATH": trees[name]}
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            proc = subprocess.run(
+                cmd, env=env, cwd=trees[name], capture_output=True, text=True, check=False
+            )
             if proc.returncode:
                 sys.exit(f"{name} failed:\n{proc.stderr}")
             res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -30,6 +30,10 @@ _CTX = None
 # imports torch.distributed.tensor (about a second) the first time a tensor subclass
 # such as ShardedTensor reaches it; transformers takes several seconds. Importing
 # changes no state a test checks: no process group, no threads, no torch op runs.
+# The forkserver imports them from its own sys.path, the working directory first, then
+# PYTHONPATH: Python before 3.12.8 / 3.13.1 ignores the parent's sys.path there (CPython
+# gh-117378). So ranks run the shardkit found from the working directory; a caller that
+# wants another tree's runs in that tree (benchmarks/bench_full_save_ab.py does).
 _PRELOAD = [
     "torch",
     "torch.distributed",
