@@ -42,8 +42,20 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Every benchmark, one after another (BENCH_ARGS=--quick for a smoke run). The A/B one
+# compares this tree with an exported earlier one, so it runs only when BEFORE names it.
 bench: $(STAMP)
-	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+	for b in benchmarks/bench_*.py; do \
+		case $$b in \
+		*/bench_full_save_ab.py) \
+			if [ -z "$(BEFORE)" ]; then \
+				echo "skipping $$b: it needs an earlier tree, make bench BEFORE=DIR (see its docstring)"; \
+				continue; \
+			fi; \
+			$(BIN)/python $$b --before "$(BEFORE)" $(BENCH_ARGS) || exit 1;; \
+		*) $(BIN)/python $$b $(BENCH_ARGS) || exit 1;; \
+		esac; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
