@@ -4,6 +4,8 @@
 The state is ``--tensors`` parameters of an SGD optimizer that has stepped (so shardkit
 knows them). Each repeat waits for the previous save first (outside the timed call), so
 only the call itself is timed. One JSON line: medians in ms, their spread and ratios per size.
+
+    python benchmarks/bench_zero_stall.py --quick    # smoke run: 16 MiB in 8 tensors, 2 repeats
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ def main() -> None:
     parser.add_argument("--sizes-mib", default="64,256,1024,2048")
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="16 MiB in 8 tensors, 2 repeats")
     args = parser.parse_args()
+    if args.quick:
+        args.sizes_mib, args.tensors, args.repeats = "16", 8, 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
