@@ -10,11 +10,11 @@ with the base that shardkit does.
     python benchmarks/bench_incremental.py [--quick] [--mib N]
 """
 
+import argparse
 import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
@@ -24,11 +24,13 @@ import xxhash
 
 from shardkit.checkpoint import CheckpointManager, read_metadata
 
-quick = "--quick" in sys.argv
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--quick", action="store_true", help="smoke run: 32 MiB, 4 steps")
+parser.add_argument("--mib", type=int, help="state size in MiB (default 512, quick 32)")
+args = parser.parse_args()
 torch.set_num_threads(1)
-mib = int(sys.argv[sys.argv.index("--mib") + 1]) if "--mib" in sys.argv else None
-total = (mib or (32 if quick else 512)) << 20  # bytes of state
-steps = 4 if quick else 10
+total = (args.mib or (32 if args.quick else 512)) << 20  # bytes of state
+steps = 4 if args.quick else 10
 frozen_n = int(total * 0.9) // 4 // 16  # 16 frozen tensors, float32
 train_n = (total - 16 * frozen_n * 4) // 4 // 4  # adapters + 3 Adam-like tensors
 g = torch.Generator().manual_seed(0)

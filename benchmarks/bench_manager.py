@@ -1,27 +1,34 @@
-"""Manager vs torch DCP: blocking time of async save, total time of sync save (1 rank, gloo)."""
+"""Manager vs torch DCP: blocking time of async save, total time of sync save (1 rank, gloo).
 
+python benchmarks/bench_manager.py [--quick]
+"""
+
+import argparse
 import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _common import free_port
 
 from shardkit.checkpoint import CheckpointManager
 from shardkit.checkpoint import save as sk_save
 
-quick = "--quick" in sys.argv
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--quick", action="store_true", help="smoke run: 16 MiB, 2 repeats")
+args = parser.parse_args()
+# a free port: a fixed one fails when another job on the machine holds it
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 dist.init_process_group("gloo", rank=0, world_size=1)
 torch.set_num_threads(1)
-n = (1 << 20) if quick else (8 << 20)  # float32 elements per tensor
+n = (1 << 20) if args.quick else (8 << 20)  # float32 elements per tensor
 state = {f"t{i}": torch.randn(n) for i in range(4)}  # 4 x 32 MiB = 128 MiB (full run)
-reps = 2 if quick else 5
+reps = 2 if args.quick else 5
 root = tempfile.mkdtemp()
 
 
