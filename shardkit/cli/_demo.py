@@ -162,6 +162,23 @@ def _check_restart(args: argparse.Namespace) -> None:
         )
 
 
+def _check_dataset() -> None:
+    """Refuse to start when the ranks could not load the digits: their ImportError would
+    surface only inside torchrun's failure report, once per rank."""
+    from ._demo_parts import DIGITS_MISSING, digits_csv_path
+
+    try:
+        if digits_csv_path() is None:
+            import sklearn.datasets  # noqa: F401  (another layout: the ranks import it too)
+    except ImportError as exc:
+        if str(exc) == DIGITS_MISSING:
+            raise CliError(DIGITS_MISSING) from None
+        raise CliError(  # installed but broken (a dependency of its missing, say)
+            f"the demo trains on scikit-learn's digits dataset and importing scikit-learn "
+            f"failed ({exc}): pip install 'shardkit[demo]'"
+        ) from None
+
+
 def _check_out(out: str) -> None:
     """Refuse an --out the demo would clobber or cannot write, before any rank starts."""
     if os.path.exists(out) and not os.path.isdir(out):
@@ -279,6 +296,7 @@ def _restart_line(report: dict) -> str:
 def run_demo(args: argparse.Namespace) -> int:
     """Run both phases and print the summary; returns the exit code."""
     _check(args)
+    _check_dataset()
     signal.signal(signal.SIGTERM, _raise_interrupt)
     began = time.perf_counter()
     out = args.out or tempfile.mkdtemp(prefix="shardkit-demo-")

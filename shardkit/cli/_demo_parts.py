@@ -18,11 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "DIGITS_MISSING",
     "CommCounter",
     "Strategy",
     "accuracy",
     "batch_indices",
     "build_strategy",
+    "digits_csv_path",
     "load_digits_split",
     "make_mlp",
 ]
@@ -115,21 +117,37 @@ class CommCounter:
             self._active = False
 
 
+DIGITS_MISSING = (
+    "the demo trains on scikit-learn's digits dataset and scikit-learn is not installed: "
+    "pip install 'shardkit[demo]'"
+)
+
+
+def digits_csv_path() -> str | None:
+    """Where scikit-learn keeps the digits table, or None when its layout differs (then
+    only ``load_digits`` knows). Raises ImportError when scikit-learn is not installed.
+
+    Looked up without importing scikit-learn: that import costs about a second of CPU.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(DIGITS_MISSING)
+    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    return path if os.path.exists(path) else None
+
+
 def _digits_table():
     """The 1797 x 65 table (64 pixels, then the label) that scikit-learn ships.
 
     Read straight from scikit-learn's package data, which is what ``load_digits`` reads,
-    without importing scikit-learn: that import costs each rank about a second of CPU.
+    so that no rank pays for importing scikit-learn.
     """
-    import importlib.util
-
     import numpy as np
 
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the demo needs scikit-learn's digits dataset: pip install scikit-learn")
-    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
-    if os.path.exists(path):
+    path = digits_csv_path()
+    if path is not None:
         return np.loadtxt(path, delimiter=",")
     from sklearn.datasets import load_digits  # another layout: ask scikit-learn
 
