@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ... import runtime
+from ...runtime._groups import cached_group
 from ._comm import Comm
 from ._copy import copy_into
 from ._flatten import Flat, flatten
@@ -45,7 +46,6 @@ from ._zero_stall import STAGING_THREAD, STATS, Snapshot, Staging, copy_values, 
 __all__ = ["async_save"]
 
 _ALIGN = 64
-_groups: dict[tuple[int, ...], Any] = {}
 
 
 class _StagingPool:
@@ -64,24 +64,17 @@ class _StagingPool:
 
 
 _pool = _StagingPool()
-# exit: drop our references so the private groups' gloo threads stop before finalization
-runtime.at_teardown(_groups.clear)
 
 
 def _private_group(process_group: Any) -> Any:
-    """A gloo group over the same ranks, created once (collectively) per rank set."""
+    """A gloo group over the same ranks, created once (collectively) per rank set and
+    world (a re-initialised world gets new ones)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
     if len(ranks) == 1:
         return None
-    if ranks not in _groups:
-        # only the group's own ranks take part when it is a subgroup of the world
-        subgroup = len(ranks) != dist.get_world_size()
-        _groups[ranks] = dist.new_group(
-            list(ranks), backend="gloo", use_local_synchronization=subgroup
-        )
-    return _groups[ranks]
+    return cached_group(ranks)
 
 
 def _stage(job: SaveJob, snapshot: Snapshot | None) -> dict[tuple[str, tuple], torch.Tensor]:

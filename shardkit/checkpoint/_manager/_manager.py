@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ... import runtime
+from ...runtime._groups import private_group
 from .._core._errors import CheckpointError
 from .._core._fs_rules import refuse_per_process
 from ._background import BackgroundMethods
@@ -285,7 +286,8 @@ class CheckpointManager(BackgroundMethods, TierMethods, RestoreMethods):
         self._is_coordinator = self._rank == 0
         self._group = group
         # Private CPU group for control traffic (agreement, listings, blocking saves).
-        self._ctrl = dist.new_group(self._ranks, backend="gloo", use_local_synchronization=True)
+        # Destroyed once this manager is garbage-collected (torch keeps a group until then).
+        self._ctrl = private_group(self._ranks, owner=self)
         if async_process_group is not None:
             async_ranks = dist.get_process_group_ranks(async_process_group)
             if async_ranks != self._ranks:

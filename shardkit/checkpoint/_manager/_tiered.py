@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from ...runtime._groups import private_group
 from .._core._comm import Comm
 from .._core._copy import copy_into
 from .._core._errors import CheckpointError
@@ -130,9 +130,7 @@ class TierEngine:
         self.source = None if peers is None else peers.index(self.rank)
         self._peer_group = None
         if use_peer:  # collective: every rank constructs the manager
-            self._peer_group = dist.new_group(
-                mgr._ranks, backend="gloo", timeout=_PEER_TIMEOUT, use_local_synchronization=True
-            )
+            self._peer_group = private_group(mgr._ranks, owner=self, timeout=_PEER_TIMEOUT)
         self.last_step: int | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardkit-tier")
         self._job: Future | None = None
