@@ -624,3 +624,32 @@ def test_restore_names_how_the_ram_copy_differs_from_the_state_given(tmp_path, c
         with pytest.raises(CheckpointError, match="step 3 cannot be restored") as info:
             mgr.restore(3, state)
     assert words in str(info.value), str(info.value)
+
+
+def test_copies_of_another_world_size_are_reported_in_one_line(tmp_path, caplog):
+    """After a resize every RAM copy on the machine is of the old world: they used to be
+    logged one line each (8 a rank at 8 -> 4 ranks), burying the one that matters."""
+    ram = tmp_path / "ram"
+    with pytest.raises(RuntimeError):  # a crash keeps the tier
+        with CheckpointManager(
+            str(tmp_path / "a"), 10, chkpt_on_preemption=False,
+            local_tier=LocalTier(directory=ram, max_to_keep=3),
+        ) as mgr:  # fmt: skip
+            for step in (1, 2, 3):
+                mgr.save(step, {"x": torch.ones(2)})
+            raise RuntimeError("crash")
+    manifests = [
+        p for p in ram.rglob("*.json") if p.name != "metadata.json" and "step_" in str(p.parent)
+    ]
+    assert len(manifests) == 3
+    for path in manifests:  # as a 2-rank world would have written them
+        path.write_text(path.read_text().replace('"world_size": 1', '"world_size": 2'))
+    caplog.set_level("WARNING")
+    with CheckpointManager(
+        str(tmp_path / "a"), 10, chkpt_on_preemption=False, local_tier=LocalTier(directory=ram)
+    ) as again:
+        again.latest_step()
+        again.latest_step()
+    lines = [r.getMessage() for r in caplog.records if "saved by a world of 2" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert str(ram) in lines[0] and "this one has 1" in lines[0]

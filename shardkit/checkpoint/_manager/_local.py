@@ -177,7 +177,7 @@ class LocalStore:
         self.url = url
         self.rank = rank
         self.world_size = world_size
-        self._reported: set[str] = set()
+        self._reported: set = set()  # paths, and reasons said once for many copies
         # Temporaries carry the run's tag: runs sharing a directory sweep only their own.
         self._tmp_tag = f".tmp-{hashlib.sha256(url.encode()).hexdigest()[:8]}-"
         make_shared_dirs(root)
@@ -308,11 +308,16 @@ class LocalStore:
             self._note(path, f"a copy of another run ({m.get('path')!r}, not {self.url!r})")
             return None
         if m.get("world_size") != self.world_size:
-            self._note(
-                path,
-                f"saved by a world of {m.get('world_size')} ranks, this one has "
-                f"{self.world_size}; the persistent tier restores across world sizes",
-            )
+            # one line for all of them: after a resize every copy on the machine is one
+            key = ("world size", str(m.get("world_size")))
+            if key not in self._reported:
+                self._reported.add(key)
+                log.warning(
+                    "local checkpoint tier: ignoring the copies under %s saved by a world "
+                    "of %s ranks (the first seen: %s); this one has %d; the persistent "
+                    "tier restores across world sizes",
+                    self.root, m.get("world_size"), path, self.world_size,
+                )  # fmt: skip
             return None
         if m.get("rank") != src or m.get("step") != step:
             self._note(path, f"its {MANIFEST} names rank {m.get('rank')} step {m.get('step')}")
