@@ -18,7 +18,7 @@ from ._comm import Comm
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._flatten import Flat, flatten
 from ._format import METADATA_FILE, Metadata
-from ._planner import DefaultLoadPlanner, LoadPlanner, ReadItem, fill_dict
+from ._planner import DefaultLoadPlanner, LoadPlanner, ReadItem, check_flag, fill_dict
 from ._read_chunks import LocalFiles, chunk_label, read_items
 from ._storage import FileSystemReader, StorageReader, resolve_storage
 from ._validate import check_files, where
@@ -211,6 +211,7 @@ def load(
         CorruptCheckpointError: checksum mismatch, truncated or missing file, unknown version.
         CheckpointError: on the other ranks, naming the rank that failed and its error.
     """
+    check_flag("load", "strict", strict, none_ok=True)  # before any I/O or collective
     if not no_dist:
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
     comm = Comm(process_group, local=bool(no_dist))
@@ -289,7 +290,9 @@ def _plan_load(state_dict, reader, metadata, planner, strict) -> _LoadJob:
     wait_for_staging()  # an async save may still be copying the tensors loaded into
     flat = flatten(state_dict, for_save=False, saved_parents=metadata.key_parents)
     _leave_fresh_optimizer_state(flat, metadata)
-    planner.set_up_planner(flat, metadata, strict=None if strict is None else bool(strict))
+    planner.set_up_planner(
+        flat, metadata, strict=check_flag("load", "strict", strict, none_ok=True)
+    )
     plan = planner.create_local_plan()
     why = {}
     for item in plan.items:

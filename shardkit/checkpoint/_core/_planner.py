@@ -141,6 +141,15 @@ class LoadPlanner(abc.ABC):
         """The destination region for ``item.box`` (a view of the caller's tensor)."""
 
 
+def check_flag(where: str, name: str, value: Any, *, none_ok: bool = False) -> bool | None:
+    """``value`` if it is a bool (or None where allowed), else a TypeError: a string such
+    as ``"no"`` is truthy and would silently turn the option on (pickling, a partial
+    load)."""
+    if (none_ok and value is None) or isinstance(value, bool):
+        return value
+    raise TypeError(f"{where}({name}=...) must be True or False, got {value!r}")
+
+
 def _region(leaf: TensorLeaf, box: Box) -> torch.Tensor:
     return leaf.local[box.relative_to(leaf.box)]
 
@@ -182,6 +191,14 @@ class DefaultSavePlanner(SavePlanner):
         enable_plan_caching: bool = False,
         allow_pickle: bool = False,
     ) -> None:
+        for name, value in (("flatten_state_dict", flatten_state_dict),
+                            ("flatten_sharded_tensors", flatten_sharded_tensors),
+                            ("dedup_save_to_lowest_rank", dedup_save_to_lowest_rank),
+                            ("enable_plan_caching", enable_plan_caching),
+                            ("allow_pickle", allow_pickle)):  # fmt: skip
+            check_flag("DefaultSavePlanner", name, value)
+        check_flag("DefaultSavePlanner", "dedup_replicated_tensors", dedup_replicated_tensors,
+                   none_ok=True)  # fmt: skip
         ignored = {
             "flatten_state_dict": (flatten_state_dict, True),
             "flatten_sharded_tensors": (flatten_sharded_tensors, True),
@@ -356,6 +373,16 @@ class DefaultLoadPlanner(LoadPlanner):
         strict: bool = False,
         strict_dtype: bool = False,
     ) -> None:
+        flags = {
+            "flatten_state_dict": flatten_state_dict,
+            "flatten_sharded_tensors": flatten_sharded_tensors,
+            "allow_partial_load": allow_partial_load,
+            "allow_pickle": allow_pickle,
+            "strict": strict,
+            "strict_dtype": strict_dtype,
+        }
+        for name, value in flags.items():
+            check_flag("DefaultLoadPlanner", name, value)
         for name, value in (("flatten_state_dict", flatten_state_dict),
                             ("flatten_sharded_tensors", flatten_sharded_tensors)):  # fmt: skip
             if not value:
