@@ -175,6 +175,15 @@ def test_load_hf_strict_names_missing_parameters(tmp_path):
     torch.testing.assert_close(dst.lm_head.weight, src.lm_head.weight, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_hf_with_a_prefix_no_key_has_is_refused(tmp_path, strict):
+    """It loaded nothing and raised nothing, even with strict=True (errors audit)."""
+    build("llama").save_pretrained(tmp_path)
+    dst = build("llama", seed=3)
+    with pytest.raises(ValueError, match=r"prefix='lm\.'.*\['lm_head\.', 'model\.'\]"):
+        load_hf(dst, tmp_path, prefix="lm", strict=strict)
+
+
 def test_save_pretrained_under_fsdp_refuses_shards_and_accepts_full_state(tmp_path):
     from shardkit.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -239,6 +239,13 @@ def load_hf(
     for key, value in state.items():
         if key.startswith(prefix):
             targets[key] = _box_of(value, key)
+    if not targets:  # nothing would be loaded, whatever `strict` says
+        firsts = sorted({key.split(".")[0] + "." for key in state})[:8]
+        raise ValueError(
+            f"no key of the model starts with prefix={prefix!r}: the model's keys start with "
+            f'{firsts}; pass the prefix under which the HF model sits ("" for the model '
+            "itself)"
+        )
     kept: list[str] = []
     pending: dict[str, list[tuple[str, tuple, torch.Tensor]]] = {}
     for key, (slices, live) in targets.items():
