@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import numbers
+import sys
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -127,6 +128,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"process_group must be a torch.distributed.ProcessGroup or None (the world), "
                 f"got {process_group!r}"
             )
+        _refuse_sharded(module)
         self.module = module
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self.process_group = _comm.resolve_group(process_group)
@@ -441,3 +443,31 @@ def _is_future_annotation(ret) -> bool:
         return "Future" in ret
     origin = getattr(ret, "__origin__", ret)
     return isinstance(origin, type) and issubclass(origin, torch._C.Future)
+
+
+def _refuse_sharded(module: nn.Module) -> None:
+    """DDP replicates: it broadcasts rank 0's parameters and averages whole gradients.
+    Over parameters that are shards (shardkit FSDP, ShardedTensor or DTensor
+    parameters) the broadcast would overwrite every rank's shard with rank 0's, so it is
+    refused, with torch's class (its DDP fails on DTensor parameters the same way)."""
+    from ..spmd import ShardedTensor
+
+    dtensor_module = sys.modules.get("torch.distributed.tensor")  # none made if not loaded
+    dtensor = getattr(dtensor_module, "DTensor", ())
+    for name, sub in module.named_modules():
+        if getattr(type(sub), "_shardkit_shards_parameters", False):
+            where = f"module {name!r} ({type(sub).__name__})" if name else type(sub).__name__
+            raise NotImplementedError(
+                f"DistributedDataParallel cannot wrap {where}: its parameters are shards, and "
+                "DDP's broadcast of rank 0's parameters would overwrite the other ranks' "
+                "shards. FSDP is data parallel already (it averages gradients over its "
+                "group): train with FSDP alone"
+            )
+    for name, param in module.named_parameters():
+        if isinstance(param, (ShardedTensor, dtensor)):  # () when DTensor is not loaded
+            raise NotImplementedError(
+                f"DistributedDataParallel cannot wrap parameter {name!r}: it is a "
+                f"{type(param).__name__} (sharded), and DDP replicates whole parameters; "
+                "average its gradients over the data-parallel mesh axis instead "
+                "(docs/spmd.md)"
+            )

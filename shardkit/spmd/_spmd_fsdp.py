@@ -36,6 +36,8 @@ class SpmdFullyShardedDataParallel(nn.Module):
     """
 
     _shardkit_wrapper = True
+    #: DDP refuses to wrap it: its parameters are shards
+    _shardkit_shards_parameters = True
 
     def __init__(
         self,

@@ -345,3 +345,23 @@ def test_dropping_ddp_removes_its_parameter_hooks():
     gc.collect()
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
     model(torch.randn(1, 6)).sum().backward()  # a plain backward still works
+
+
+def test_ddp_refuses_sharded_parameters():
+    """DDP(FSDP(m)) was accepted, and its broadcast overwrote rank 1's FSDP shards with
+    rank 0's (errors audit); torch's DDP fails on DTensor parameters (NotImplementedError)."""
+    import numpy as np
+
+    import shardkit.spmd as xs
+    from shardkit.fsdp import FSDP
+
+    with pytest.raises(NotImplementedError, match=r"FullyShardedDataParallel.*FSDP alone"):
+        DDP(FSDP(nn.Linear(4, 2)))
+    with pytest.raises(NotImplementedError, match=r"module 'inner'"):
+        DDP(nn.ModuleDict({"inner": FSDP(nn.Linear(4, 2))}))
+    mesh = xs.Mesh(np.arange(1), (1,), ("fsdp",))
+    with pytest.raises(NotImplementedError, match="SpmdFullyShardedDataParallel"):
+        DDP(xs.SpmdFullyShardedDataParallel(nn.Linear(4, 2), mesh))
+    tp = xs.shard_module(nn.Linear(4, 2), mesh, {"weight": ("fsdp", None)})
+    with pytest.raises(NotImplementedError, match="parameter 'weight'.*ShardedTensor"):
+        DDP(tp)
