@@ -224,6 +224,28 @@ def test_ranks_passing_different_steps_raise_on_every_rank(tmp_path):
         assert r["then"] == [4]
 
 
+def _different_options(tmp):
+    import torch.distributed as dist
+
+    from shardkit.checkpoint import CheckpointManager
+
+    rank = dist.get_rank()
+    try:
+        CheckpointManager(os.path.join(tmp, "run"), save_interval=2 + rank,
+                          chkpt_on_preemption=False)  # fmt: skip
+    except ValueError as exc:
+        return str(exc)
+    return "constructed"
+
+
+def test_ranks_given_different_options_raise_on_every_rank(tmp_path):
+    """save_interval 2 on rank 0 and 3 on rank 1 used to hang at the first save (each
+    rank in a different collective) past the group timeout (errors audit)."""
+    for message in run_ranks(_different_options, 2, str(tmp_path), timeout=60):
+        assert "different options on different ranks (save_interval: [2, 3]" in message
+        assert "max_to_keep" not in message
+
+
 # -- ENOSPC, then space again -----------------------------------------------------------------
 def _enospc(tmp, real_disk):
     import torch.distributed as dist

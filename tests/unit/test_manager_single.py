@@ -204,7 +204,12 @@ def test_should_save_reports_a_received_preemption_signal_as_torch_xla(tmp_path)
         ({"preservation_policy": 3}, TypeError, "preservation_policy"),
         ({"storage_options": "x"}, TypeError, "storage_options"),
         ({"preemption_signal": signal.SIGKILL}, ValueError, "SIGKILL"),
-        ({"process_group": object()}, ValueError, "not initialized"),
+        (
+            {"process_group": object()},
+            TypeError,
+            "process_group must be a torch.distributed.ProcessGroup",
+        ),
+        ({"process_group": 4}, TypeError, "num_of_threads is keyword-only"),
         ({"max_file_bytes": 0}, ValueError, "max_file_bytes"),
         ({"zero_stall": 1}, TypeError, "zero_stall"),
     ],

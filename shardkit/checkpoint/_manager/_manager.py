@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ... import runtime
 from ...runtime._groups import private_group
+from .._core._comm import Comm
 from .._core._errors import CheckpointError
 from .._core._fs_rules import refuse_per_process
 from ._background import BackgroundMethods
@@ -177,6 +178,20 @@ class CheckpointManager(BackgroundMethods, TierMethods, RestoreMethods):
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self._lease = Lease(self._store.fs, self._store.root, ttl=float(lease_ttl))
         self._init_groups(process_group, async_process_group)
+        self._agree_on_options(
+            {
+                "save_interval": self.save_interval,
+                "max_to_keep": self.max_to_keep,
+                "max_pending_async": self.max_pending_async,
+                "chkpt_on_preemption": chkpt_on_preemption,
+                "read_only": read_only,
+                "incremental": incremental,
+                "zero_stall": zero_stall,
+                "verify_replicas": verify_replicas,
+                "local_tier.interval": None if local_tier is None else local_tier.interval,
+                "local_tier.peer": None if local_tier is None else local_tier.peer,
+            }
+        )
         refuse_per_process(self._store.fs, self.path, len(self._ranks))
         self._tiers = None if local_tier is None else TierEngine(self, local_tier)
         # a reader never saves: it leaves the signal to stop the process, as without it
@@ -268,6 +283,14 @@ class CheckpointManager(BackgroundMethods, TierMethods, RestoreMethods):
 
     # -- process groups ---------------------------------------------------------------
     def _init_groups(self, process_group, async_process_group) -> None:
+        for name, group in (("process_group", process_group),
+                            ("async_process_group", async_process_group)):  # fmt: skip
+            if group is not None and not isinstance(group, dist.ProcessGroup):
+                raise TypeError(
+                    f"{name} must be a torch.distributed.ProcessGroup or None, got "
+                    f"{group!r}; torch_xla's num_of_threads is keyword-only here: "
+                    "CheckpointManager(path, save_interval, num_of_threads=4)"
+                )
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None or async_process_group is not None:
                 raise ValueError(
@@ -298,6 +321,25 @@ class CheckpointManager(BackgroundMethods, TierMethods, RestoreMethods):
         # Only its ranks matter: the core's async_save commits over its own private gloo
         # group for them, never over the group it is handed.
         self._async_group = async_process_group if async_process_group is not None else group
+
+    def _agree_on_options(self, options: dict[str, Any]) -> None:
+        """Raise on every rank if the ranks were given different options: each rank
+        would then decide differently when to save, and wait forever in a collective
+        the others never join (one small all-gather, at construction)."""
+        if self._ctrl is None:
+            return
+        everyone = Comm(self._ctrl).all_gather_json(options)
+        differ = {
+            name: [entry.get(name) for entry in everyone]
+            for name in options
+            if any(entry.get(name) != everyone[0].get(name) for entry in everyone)
+        }
+        if differ:
+            what = "; ".join(f"{name}: {values}" for name, values in differ.items())
+            raise ValueError(
+                f"CheckpointManager({self.path!r}) was given different options on different "
+                f"ranks ({what}, by rank of the group); pass the same options on every rank"
+            )
 
     def _coordinated(self, what: str, fn):
         """Run ``fn`` on the coordinator; every rank gets its result or raises its error."""
