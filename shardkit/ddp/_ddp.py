@@ -449,13 +449,12 @@ def _refuse_sharded(module: nn.Module) -> None:
     """DDP replicates: it broadcasts rank 0's parameters and averages whole gradients.
     Over parameters that are shards (shardkit FSDP, ShardedTensor or DTensor
     parameters) the broadcast would overwrite every rank's shard with rank 0's, so it is
-    refused, with torch's class (its DDP fails on DTensor parameters the same way)."""
-    from ..spmd import ShardedTensor
-
+    refused, with torch's class (its DDP fails on DTensor parameters the same way).
+    shardkit's sharded classes carry ``_shardkit_sharded`` (this layer imports no spmd)."""
     dtensor_module = sys.modules.get("torch.distributed.tensor")  # none made if not loaded
     dtensor = getattr(dtensor_module, "DTensor", ())
     for name, sub in module.named_modules():
-        if getattr(type(sub), "_shardkit_shards_parameters", False):
+        if getattr(type(sub), "_shardkit_sharded", False):
             where = f"module {name!r} ({type(sub).__name__})" if name else type(sub).__name__
             raise NotImplementedError(
                 f"DistributedDataParallel cannot wrap {where}: its parameters are shards, and "
@@ -464,7 +463,7 @@ def _refuse_sharded(module: nn.Module) -> None:
                 "group): train with FSDP alone"
             )
     for name, param in module.named_parameters():
-        if isinstance(param, (ShardedTensor, dtensor)):  # () when DTensor is not loaded
+        if getattr(type(param), "_shardkit_sharded", False) or isinstance(param, dtensor):
             raise NotImplementedError(
                 f"DistributedDataParallel cannot wrap parameter {name!r}: it is a "
                 f"{type(param).__name__} (sharded), and DDP replicates whole parameters; "

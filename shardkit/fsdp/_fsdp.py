@@ -95,8 +95,8 @@ class FullyShardedDataParallel(nn.Module):
     """
 
     _shardkit_wrapper = True
-    #: DDP refuses to wrap it: its parameters are shards
-    _shardkit_shards_parameters = True
+    #: DistributedDataParallel refuses to wrap it: its parameters are shards
+    _shardkit_sharded = True
     _shardkit_fsdp_unit = True
 
     def __init__(

@@ -114,6 +114,9 @@ class ShardedTensor(torch.Tensor):
     logged fallback that gathers, computes and re-shards.
     """
 
+    #: DistributedDataParallel refuses it as a parameter (DDP replicates whole tensors)
+    _shardkit_sharded = True
+
     _local_tensor: torch.Tensor
     _placement: Placement
     __torch_function__ = torch._C._disabled_torch_function_impl

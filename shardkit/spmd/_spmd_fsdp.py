@@ -36,8 +36,8 @@ class SpmdFullyShardedDataParallel(nn.Module):
     """
 
     _shardkit_wrapper = True
-    #: DDP refuses to wrap it: its parameters are shards
-    _shardkit_shards_parameters = True
+    #: DistributedDataParallel refuses to wrap it: its parameters are shards
+    _shardkit_sharded = True
 
     def __init__(
         self,

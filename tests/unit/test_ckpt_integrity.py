@@ -198,3 +198,23 @@ def test_column_chunks_land_in_strided_rows_and_are_verified(tmp_path, monkeypat
     path.write_bytes(bytes(raw))
     with pytest.raises(dcp.CorruptCheckpointError, match=r"'w' chunk offsets=\[0, 5\]"):
         dcp.load(target, checkpoint_id=tmp_path)
+
+
+def test_load_of_a_run_directory_or_a_file_says_what_it_is(tmp_path):
+    """It said only "metadata.json is missing" (errors audit); the CLI already named a
+    step to load instead."""
+    from shardkit.checkpoint import CheckpointError, CheckpointManager
+
+    run = tmp_path / "run"
+    with CheckpointManager(str(run), 1, chkpt_on_preemption=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"CheckpointManager run directory \(2 committed"):
+        dcp.load({"w": torch.zeros(2)}, checkpoint_id=run)
+    with pytest.raises(CheckpointError, match=r"e\.g\. .*step_00000002"):
+        dcp.read_metadata(run)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match="it is a file; a checkpoint is a directory"):
+        dcp.load({"w": torch.zeros(2)}, checkpoint_id=tmp_path / "afile")
+    with pytest.raises(CheckpointError, match="metadata.json is missing"):
+        dcp.load({"w": torch.zeros(2)}, checkpoint_id=tmp_path)  # nothing there at all

@@ -47,10 +47,35 @@ def _metadata(reader: StorageReader) -> Metadata:
                 "`shardkit ckpt convert SRC DST --from torch-dcp --to shardkit`; then load dst"
             ) from None
         raise CheckpointError(
-            f"no committed checkpoint at {where(reader)}: {METADATA_FILE} is missing (never saved, "
-            "or the save was interrupted before its commit)"
+            f"no committed checkpoint at {where(reader)}: {_why_missing(reader)}"
         ) from None
     return Metadata.from_json(raw, f"{where(reader)}/{METADATA_FILE}")
+
+
+def _why_missing(reader: StorageReader) -> str:
+    """Why a directory has no metadata: a file given for a directory, a CheckpointManager
+    run directory given for one of its steps (named), or a save never committed."""
+    missing = (
+        f"{METADATA_FILE} is missing (never saved, or the save was interrupted before its commit)"
+    )
+    if not (isinstance(reader, FileSystemReader) and reader.local):
+        return missing
+    root = reader.root
+    if os.path.isfile(root):
+        return "it is a file; a checkpoint is a directory (the checkpoint_id given to save)"
+    try:
+        steps = sorted(
+            name for name in os.listdir(root)
+            if name.startswith("step_") and os.path.isfile(os.path.join(root, name, METADATA_FILE))
+        )  # fmt: skip
+    except OSError:
+        return missing
+    if not steps:
+        return missing
+    return (
+        f"it is a CheckpointManager run directory ({len(steps)} committed step(s)); load one "
+        f"step, e.g. {os.path.join(root, steps[-1])}, or use CheckpointManager.restore"
+    )
 
 
 def _has_torch_metadata(reader: StorageReader) -> bool:

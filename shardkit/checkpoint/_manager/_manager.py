@@ -188,8 +188,9 @@ class CheckpointManager(BackgroundMethods, TierMethods, RestoreMethods):
                 "incremental": incremental,
                 "zero_stall": zero_stall,
                 "verify_replicas": verify_replicas,
-                "local_tier.interval": None if local_tier is None else local_tier.interval,
-                "local_tier.peer": None if local_tier is None else local_tier.peer,
+                # a wrong tier type is refused with its own message just after
+                "local_tier.interval": getattr(local_tier, "interval", None),
+                "local_tier.peer": getattr(local_tier, "peer", None),
             }
         )
         refuse_per_process(self._store.fs, self.path, len(self._ranks))
