@@ -39,6 +39,11 @@ class Placement:
 
     @classmethod
     def from_user(cls, mesh: Mesh, spec: PartitionSpec, ndim: int) -> Placement:
+        if not isinstance(mesh, Mesh):  # a name or a torch DeviceMesh: an AttributeError
+            raise TypeError(
+                f"mesh must be a shardkit.spmd.Mesh, got {type(mesh).__name__} {mesh!r:.80}; "
+                "build one with xs.Mesh(device_ids, mesh_shape, axis_names)"
+            )
         return cls(mesh, normalize_spec(spec, mesh.axis_labels, ndim))
 
     @classmethod

@@ -218,3 +218,12 @@ def test_load_of_a_run_directory_or_a_file_says_what_it_is(tmp_path):
         dcp.load({"w": torch.zeros(2)}, checkpoint_id=tmp_path / "afile")
     with pytest.raises(CheckpointError, match="metadata.json is missing"):
         dcp.load({"w": torch.zeros(2)}, checkpoint_id=tmp_path)  # nothing there at all
+
+
+def test_save_to_a_file_path_says_it_is_a_file(tmp_path):
+    """It raised a bare FileExistsError [Errno 17] (errors audit); the file is kept."""
+    target = tmp_path / "afile"
+    target.write_text("keep me")
+    with pytest.raises(ValueError, match="is a file; a checkpoint is a directory"):
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=target)
+    assert target.read_text() == "keep me"

@@ -71,3 +71,10 @@ def test_single_process_sharding_is_exact(no_world):
         import pickle
 
         pickle.dumps(st)
+
+
+@pytest.mark.parametrize("mesh", ["data", None, 2])
+def test_a_mesh_argument_that_is_not_a_mesh_is_a_type_error(no_world, mesh):
+    """It was an AttributeError ('str' object has no attribute 'axis_labels'; errors audit)."""
+    with pytest.raises(TypeError, match=r"mesh must be a shardkit\.spmd\.Mesh.*xs\.Mesh\("):
+        xs.mark_sharding(torch.ones(4), mesh, ("data",))

@@ -327,6 +327,11 @@ class FileSystemWriter(_FileSystem):
     def _makedirs(self) -> None:
         if not self._made:
             if self.local:
+                if os.path.isfile(self.root):  # else a bare FileExistsError [Errno 17]
+                    raise ValueError(
+                        f"checkpoint_id {self.root!r} is a file; a checkpoint is a directory: "
+                        "pass a new or existing directory path"
+                    )
                 os.makedirs(self.root, exist_ok=True)
             else:
                 self.fs.makedirs(self.root, exist_ok=True)
