@@ -316,3 +316,27 @@ def test_zero_stall_off_lets_the_loop_change_weights_right_after_save_async(tmp_
         mgr.join()
         got = mgr.restore(3, {"model": torch.nn.Linear(32, 32).state_dict()})
     assert all(torch.equal(got["model"][k], want[k]) for k in want)
+
+
+def test_the_next_writer_removes_temporaries_a_killed_writer_left(tmp_path, caplog):
+    """A SIGKILL during a lease or manager.json write left ``manager.lease.tmp-<hex>``
+    for good (kill audit). Only old ones go: a renewal may be writing one right now."""
+    import os
+    import time
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stale = [run / f"manager.{kind}.tmp-{'a' * 32}" for kind in ("lease", "json", "run")]
+    fresh = run / f"manager.lease.tmp-{'b' * 32}"
+    other = run / "manager.lease.tmp-notours"
+    for path in (*stale, fresh, other):
+        path.write_text("{}")
+    old = time.time() - 3600
+    for path in (*stale, other):
+        os.utime(path, (old, old))
+    caplog.set_level("WARNING")
+    with CheckpointManager(str(run), 1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+    assert not any(p.exists() for p in stale)
+    assert fresh.exists() and other.exists()
+    assert any("removed temporary files" in r.getMessage() for r in caplog.records)

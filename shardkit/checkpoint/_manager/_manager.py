@@ -238,6 +238,9 @@ class CheckpointManager(BackgroundMethods, TierMethods, RestoreMethods):
             self._lease.acquire(take_over=self._take_over)
             try:
                 removed = self._store.remove_incomplete()
+                stale = self._store.remove_stale_temporaries()
+                if stale:
+                    log.warning("removed temporary files %s left under %s", stale, self.path)
                 aborted = self._store.abort_stale_uploads()
                 if aborted:
                     log.warning("aborted %d unfinished uploads under %s", aborted, self.path)

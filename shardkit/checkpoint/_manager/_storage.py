@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import stat
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +35,8 @@ from .._core._storage import parse_json, read_small_file
 __all__ = ["StepStore"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+#: the temporary name of a manager file while it is written (see ``publish``, the lease)
+_MANAGER_TMP = re.compile(r"^manager\.(json|lease|run)\.tmp-[0-9a-f]{32}$")
 MANAGER_FILE = "manager.json"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _MAX_METRICS_BYTES = 1 << 20
@@ -208,6 +211,35 @@ class StepStore:
                 )
                 aborted += 1
         return aborted
+
+    def remove_stale_temporaries(self, *, older_than: float = 60.0) -> list[str]:
+        """Delete the temporary files of manager files (``manager.json``, the lease,
+        ``manager.run``) that a killed writer left; returns their names.
+
+        Only the lease holder calls this, before it writes. A temporary lives for the
+        milliseconds of one write, so only those older than ``older_than`` seconds go (a
+        lease renewal of this writer may be writing one now). Object stores write those
+        files in one request and leave none.
+        """
+        if not self.local:
+            return []
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        removed, now = [], time.time()
+        for name in names:
+            if not _MANAGER_TMP.match(name):
+                continue
+            path = os.path.join(self.root, name)
+            try:
+                info = os.lstat(path)
+                if stat.S_ISREG(info.st_mode) and now - info.st_mtime > older_than:
+                    os.remove(path)
+                    removed.append(name)
+            except OSError:
+                continue
+        return removed
 
     def _committed_quietly(self, step: int) -> bool:
         return self._why_not_committed_quietly(step) is None
