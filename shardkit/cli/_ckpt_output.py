@@ -3,6 +3,7 @@
 A local DST is written under a temporary name next to it (``.NAME.partial-XXXX``) and
 renamed into place only once complete, so a failure (a full disk, a file-size limit, a
 damaged source, Ctrl-C) leaves the old DST, or nothing, and removes the temporary. A
+temporary that a kill left (SIGKILL) is removed by the next run writing the same DST. A
 local directory that already exists, and every DST on another store (a rename there is a
 copy), is written in place; on failure whatever the command added is removed.
 
@@ -15,12 +16,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 
 __all__ = ["staged_output"]
 
+#: Seconds a temporary of DST must be untouched before a later run removes it.
+_STALE_SECONDS = 600
 #: Errors that only a write can raise: when one carries no file name, it was DST's.
 _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS})
 
@@ -41,6 +47,7 @@ def staged_output(dst: str, *, directory: bool) -> Iterator[str]:
         parent, name = os.path.split(root)
         if directory:  # as a save into a new directory would
             os.makedirs(parent or ".", exist_ok=True)
+        _remove_stale_partials(parent, name)
         tmp = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:12]}")
         try:
             if directory:
@@ -59,6 +66,30 @@ def staged_output(dst: str, *, directory: bool) -> Iterator[str]:
         _remove_added(fs, root, before, existed)
         _rename_error(exc, root, dst)
         raise
+
+
+def _remove_stale_partials(parent: str, name: str) -> None:
+    """Remove the temporaries of DST that a killed run left (SIGKILL gives no chance to
+    clean up), saying so. Only those untouched for ``_STALE_SECONDS`` go: another run
+    writing the same DST right now keeps its temporary fresh."""
+    pattern = re.compile(rf"^\.{re.escape(name)}\.partial-[0-9a-f]{{12}}$")
+    try:
+        names = [n for n in os.listdir(parent or ".") if pattern.match(n)]
+    except OSError:
+        return
+    now = time.time()
+    for stale in names:
+        path = os.path.join(parent, stale)
+        try:
+            newest = os.lstat(path).st_mtime
+            if os.path.isdir(path) and not os.path.islink(path):
+                for entry in os.scandir(path):  # a file still growing inside it
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            continue
+        if now - newest > _STALE_SECONDS:
+            _remove_local(path)
+            print(f"removed {path}, left by an interrupted run", file=sys.stderr)
 
 
 def _remove_local(path: str) -> None:

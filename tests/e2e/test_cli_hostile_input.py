@@ -289,3 +289,27 @@ def test_commands_reading_torch_files_close_them(tmp_path):
     shardkit("ckpt", "inspect", tmp_path / "a.pt", code=0)
     shardkit("ckpt", "diff", tmp_path / "t.pt", tmp_path / "a.pt", code=2)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_convert_removes_the_temporaries_a_killed_run_left(tmp_path):
+    """A SIGKILLed convert or materialize left ``.NAME.partial-XXXX`` beside DST, up to
+    its full size, for good (kill audit); the next run writing DST removes those older
+    than ten minutes, and keeps a fresh one (another run may be writing it)."""
+    import os
+    import time
+
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=tmp_path / "c")
+    stale_file = tmp_path / ".out.pt.partial-0123456789ab"
+    stale_dir = tmp_path / ".out.pt.partial-aaaaaaaaaaaa"
+    fresh = tmp_path / ".out.pt.partial-bbbbbbbbbbbb"
+    stale_file.write_bytes(b"x" * 100)
+    stale_dir.mkdir()
+    (stale_dir / "data").write_bytes(b"y")
+    fresh.write_bytes(b"z")
+    old = time.time() - 3600
+    for path in (stale_file, stale_dir / "data", stale_dir):
+        os.utime(path, (old, old))
+    out = shardkit("ckpt", "convert", tmp_path / "c", tmp_path / "out.pt", "--to", "torch", code=0)
+    assert not stale_file.exists() and not stale_dir.exists() and fresh.exists()
+    assert "left by an interrupted run" in out.stderr
+    assert torch.equal(torch.load(tmp_path / "out.pt")["w"], torch.arange(4.0))
