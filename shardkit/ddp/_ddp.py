@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import numbers
 import sys
 import warnings
@@ -158,7 +159,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.output_device = out if isinstance(out, int) else torch.device(out).index
         self._world = _comm.group_size(self.process_group)
         if self._world > 1 and init_sync:
-            self._verify_same_parameters([p for _, p in named])
+            self._verify_same_parameters(named)
             self._broadcast([p for _, p in self._named_params()])
             if init_sync_buffers:
                 self._broadcast(self._synced_buffers())
@@ -257,8 +258,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             return self._synced_buffers()
         return []
 
-    def _verify_same_parameters(self, params: list[torch.Tensor]) -> None:
+    def _verify_same_parameters(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Every rank must hold the same parameter shapes, or buckets would mismatch."""
+        params = [p for _, p in named]
         signature = [len(params), sum(p.numel() for p in params)]
         shapes = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
         signature.append(zlib.crc32(shapes))  # not hash(): str hashes differ per process
@@ -266,10 +268,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         both = torch.tensor(signature + [-s for s in signature], dtype=torch.int64, device=dev)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
         highest, lowest = both[:3].tolist(), [-v for v in both[3:].tolist()]
-        if highest != lowest:
+        if highest != lowest:  # every rank sees it: one more exchange names the difference
             raise ModelMismatchError(
-                "DistributedDataParallel: ranks hold different parameters (count, sizes or "
-                "dtypes differ); build the same model on every rank before wrapping it"
+                "DistributedDataParallel: ranks hold different parameters: "
+                f"{_first_difference(named, self.process_group, dev)}; build the same model "
+                "on every rank before wrapping it"
             )
 
     @torch.no_grad()
@@ -470,3 +473,30 @@ def _refuse_sharded(module: nn.Module) -> None:
                 "average its gradients over the data-parallel mesh axis instead "
                 "(docs/spmd.md)"
             )
+
+
+def _first_difference(named: list[tuple[str, torch.Tensor]], group, device) -> str:
+    """The first parameter whose name, shape or dtype differs between the ranks, or the
+    counts by rank (JSON over one all-gather of bytes: nothing is unpickled)."""
+    mine = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in named]
+    raw = json.dumps(mine).encode()
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    bufs = [torch.zeros_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    every = [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, sizes)]
+    for index in range(min(len(params) for params in every)):
+        entries = [params[index] for params in every]
+        if any(entry != entries[0] for entry in entries):
+            by_rank = ", ".join(
+                f"rank {r}: {name} {tuple(shape)} {dtype}"
+                for r, (name, shape, dtype) in enumerate(entries)
+            )
+            return f"parameter {index} differs ({by_rank})"
+    counts = ", ".join(f"rank {r}: {len(params)}" for r, params in enumerate(every))
+    return f"the number of parameters that require grad differs ({counts})"

@@ -573,6 +573,11 @@ def test_buffers_ignored_parameters_and_attributes_match_torch():
         assert ours["init forward_sync_buffers"] == [1.0] * 4
         assert ours["no_grad then train"][1][0] == rank + 5.0  # not synced: as torch
         assert res["mismatch"][0] and "ranks hold different parameters" in res["mismatch"][1]
+        # named, as torch names it (the errors audit found neither name nor shapes)
+        assert (
+            "parameter 0 differs (rank 0: weight (3, 3) float32, rank 1: weight (4, 3)"
+            in (res["mismatch"][1])
+        )
 
 
 def _powersgd_values_body():
