@@ -128,16 +128,31 @@ class Reducer:
         # A dropped DDP must not leave hooks on the parameters of a module that lives on.
         weakref.finalize(self, _remove_all, self.handles)
 
+    def _fix_for(self, missing: list[int]) -> str:
+        """The fix for parameters that got no gradient: frozen after wrapping (re-wrap),
+        or unused by this forward (find_unused_parameters)."""
+        frozen = [self.names[i] for i in missing if not self.params[i].requires_grad]
+        if frozen:
+            return (
+                f"{frozen} stopped requiring grad after the module was wrapped: wrap it "
+                "again after changing requires_grad (DDP reduces the parameters that "
+                "required grad when it was built)"
+            )
+        return (
+            "construct DistributedDataParallel with find_unused_parameters=True when a "
+            "forward does not use every parameter"
+        )
+
     # -- per iteration -------------------------------------------------------------
 
     def prepare(self, outputs) -> None:
         """Arm the reduction for the backward of this forward's outputs."""
         if self.armed and any(self.ready):
-            missing = [self.names[i] for i, r in enumerate(self.ready) if not r]
+            missing = [i for i, r in enumerate(self.ready) if not r]
             raise RuntimeError(
                 f"DDP: the previous backward did not finish its reduction (it raised, or "
-                f"produced no gradient for {missing}); construct DistributedDataParallel "
-                f"with find_unused_parameters=True when a forward does not use every parameter"
+                f"produced no gradient for {[self.names[i] for i in missing]}); "
+                f"{self._fix_for(missing)}"
             )
         for b in self.buckets:
             b.pending = len(b.members)
@@ -273,13 +288,12 @@ class Reducer:
                 for i, r in enumerate(self.ready):
                     if not r:
                         self._mark_ready(i)
-            missing = [self.names[i] for i, r in enumerate(self.ready) if not r]
+            missing = [i for i, r in enumerate(self.ready) if not r]
             self.armed = False
             if missing:
                 raise RuntimeError(
-                    f"DDP: backward produced no gradient for {missing}; construct "
-                    f"DistributedDataParallel with find_unused_parameters=True when a "
-                    f"forward does not use every parameter"
+                    f"DDP: backward produced no gradient for "
+                    f"{[self.names[i] for i in missing]}; {self._fix_for(missing)}"
                 )
             used = None
             if self.find_unused:
