@@ -44,6 +44,12 @@ def size_based_auto_wrap_policy(
     ``MultiheadAttention``) never are; ``exclude_wrap_modules`` (default ``ModuleList`` /
     ``ModuleDict``) are never units themselves.
     """
+    if isinstance(min_num_params, bool) or not isinstance(min_num_params, (int, float)):
+        raise TypeError(
+            f"size_based_auto_wrap_policy: min_num_params must be a number of parameters, "
+            f"got {type(min_num_params).__name__} {min_num_params!r}: "
+            "partial(size_based_auto_wrap_policy, min_num_params=1_000_000)"
+        )
     large = nonwrapped_numel >= min_num_params
     if recurse:
         leaves = size_based_auto_wrap_policy.FORCE_LEAF_MODULES
@@ -70,6 +76,12 @@ def transformer_auto_wrap_policy(
 
     Use with ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``.
     """
+    if isinstance(transformer_layer_cls, type) or not isinstance(transformer_layer_cls, Iterable):
+        raise TypeError(
+            "transformer_auto_wrap_policy: transformer_layer_cls must be a set of module "
+            f"classes, got {transformer_layer_cls!r}: "
+            "partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})"
+        )
     if recurse:
         return True
     return isinstance(module, tuple(transformer_layer_cls))

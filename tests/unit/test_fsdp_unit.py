@@ -501,3 +501,25 @@ def test_meta_model_without_reset_parameters_is_named():
         FSDP(Bare())
     model = FSDP(Bare(), param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False))
     assert not model.module.w.is_meta
+
+
+def test_wrap_policy_arguments_of_the_wrong_type_say_how_to_pass_them():
+    """They failed inside the policy with "'type' object is not iterable" or a bare '>='
+    comparison error, naming neither the argument nor the fix (errors audit)."""
+    from functools import partial
+
+    from shardkit.fsdp import FSDP
+    from shardkit.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    policy = partial(transformer_auto_wrap_policy, transformer_layer_cls=nn.Linear)
+    with pytest.raises(TypeError, match=r"transformer_layer_cls must be a set.*=\{Block\}"):
+        FSDP(model, auto_wrap_policy=policy)
+    policy = partial(size_based_auto_wrap_policy, min_num_params="1e6")
+    with pytest.raises(TypeError, match=r"min_num_params must be a number.*str '1e6'"):
+        FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), auto_wrap_policy=policy)
+    wrapped = FSDP(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+        auto_wrap_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}),
+    )
+    assert type(wrapped.module[0]).__name__ == "FullyShardedDataParallel"
