@@ -235,3 +235,14 @@ def test_a_damaged_tensor_is_refused_naming_its_key(tmp_path, damage):
     with redirect_stderr(err):
         code = main(["ckpt", "convert", str(tmp_path / "t"), str(tmp_path / "s")])
     assert code == 3 and "reading 'w' failed" in err.getvalue(), err.getvalue()
+
+
+def test_importing_a_torch_save_file_points_to_torch_save_to_dcp(tmp_path):
+    """It was a CorruptCheckpointError ("cannot open (Not a directory)"): nothing is
+    damaged, the file is just the other format (errors audit)."""
+    from shardkit.checkpoint.format_utils import import_torch_dcp
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "f.pt")
+    with pytest.raises(ValueError, match=r"is a file;.*torch_save_to_dcp\(src, dst\)"):
+        import_torch_dcp(tmp_path / "f.pt", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

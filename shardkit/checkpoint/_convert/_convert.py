@@ -240,6 +240,12 @@ def import_torch_dcp(
             "checkpoint to a local directory first (the shardkit output may be any URL)"
         )
     source = source.removeprefix("file://")
+    if os.path.isfile(source):  # a torch.save file is not damage: say what it is
+        raise ValueError(
+            f"{source!r} is a file; import_torch_dcp reads a torch.distributed.checkpoint "
+            "directory. For a torch.save file use "
+            "shardkit.checkpoint.format_utils.torch_save_to_dcp(src, dst)"
+        )
     md = load_dcp_metadata(source)  # restricted unpickler: no code from the file runs
     reader = safe_dcp_reader(source, md)
     tensor_keys = [
