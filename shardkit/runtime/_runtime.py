@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,15 @@ def init(backend: str | None = None, *, timeout: datetime.timedelta = _DEFAULT_T
         timeout: collective timeout for the default group.
     """
     if dist.is_available() and dist.is_initialized():
+        current = dist.get_backend()
+        used = str(current).lower().replace(":", ",").split(",")  # "cpu:gloo,cuda:nccl"
+        if backend is not None and str(backend).lower() not in used:
+            warnings.warn(
+                f"shardkit.runtime.init(backend={backend!r}): a process group is already "
+                f"initialized with backend {current!r}, which stays; init() chooses the "
+                "backend only when it creates the group",
+                stacklevel=2,
+            )
         return
     world = env_world()
     if world is None:
