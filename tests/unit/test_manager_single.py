@@ -340,3 +340,14 @@ def test_the_next_writer_removes_temporaries_a_killed_writer_left(tmp_path, capl
     assert not any(p.exists() for p in stale)
     assert fresh.exists() and other.exists()
     assert any("removed temporary files" in r.getMessage() for r in caplog.records)
+
+
+def test_a_manager_given_one_checkpoint_says_it_is_not_a_run_directory(tmp_path, caplog):
+    """It listed no steps without a word (errors audit); `shardkit ckpt ls` named it."""
+    import shardkit.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "one")
+    caplog.set_level("WARNING")
+    with CheckpointManager(str(tmp_path / "one"), 1, chkpt_on_preemption=False) as mgr:
+        assert mgr.all_steps() == []
+    assert any("is one checkpoint" in r.getMessage() for r in caplog.records)

@@ -24,6 +24,7 @@ from ... import runtime
 from ...runtime._groups import private_group
 from .._core._comm import Comm
 from .._core._errors import CheckpointError
+from .._core._format import METADATA_FILE
 from .._core._fs_rules import refuse_per_process
 from ._background import BackgroundMethods
 from ._checks import check_metrics as _check_metrics
@@ -219,6 +220,8 @@ class CheckpointManager(BackgroundMethods, TierMethods, RestoreMethods):
         # Read-only until the first save: a manager opened on a live run (an evaluator,
         # a second trainer) never deletes what the writer is saving.
         steps = self._coordinated("listing checkpoints", self._store.committed_steps)
+        if not steps and self._is_coordinator:
+            self._warn_if_single_checkpoint()
         self._last_step = steps[-1] if steps else None
         self._last_committed = self._last_step
         if self._is_coordinator:  # a manager dropped without close() frees its lease
@@ -325,6 +328,22 @@ class CheckpointManager(BackgroundMethods, TierMethods, RestoreMethods):
         # Only its ranks matter: the core's async_save commits over its own private gloo
         # group for them, never over the group it is handed.
         self._async_group = async_process_group if async_process_group is not None else group
+
+    def _warn_if_single_checkpoint(self) -> None:
+        """A run path that is itself one checkpoint (``metadata.json`` at its root) lists
+        no steps: say why, rather than resume from nothing."""
+        try:
+            single = self._store.fs.isfile(f"{self._store.root}/{METADATA_FILE}")
+        except Exception:  # noqa: BLE001 - only a hint
+            return
+        if single:
+            log.warning(
+                "CheckpointManager path %s is one checkpoint (it holds %s), not a run "
+                "directory: the manager keeps each step in a step_<N> subdirectory, so it "
+                "lists no steps here. Load it with shardkit.checkpoint.load, or give the "
+                "manager the run directory",
+                self.path, METADATA_FILE,
+            )  # fmt: skip
 
     def _agree_on_options(self, options: dict[str, Any]) -> None:
         """Raise on every rank if the ranks were given different options: each rank
