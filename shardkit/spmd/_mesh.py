@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import numbers
 import os
 import weakref
 from collections import OrderedDict
@@ -60,6 +61,9 @@ class Mesh:
             raise MeshError(
                 f"mesh_shape must be a tuple of sizes, got {mesh_shape!r}; write ({mesh_shape},)"
             )
+        bad = [s for s in mesh_shape if isinstance(s, bool) or not isinstance(s, numbers.Integral)]
+        if bad:  # int(2.5) would quietly make it 2
+            raise TypeError(f"mesh_shape {tuple(mesh_shape)!r} must hold ints, got {bad[0]!r}")
         mesh_shape = tuple(int(s) for s in mesh_shape)
         if any(s <= 0 for s in mesh_shape):
             raise MeshError(f"mesh_shape {mesh_shape} must have only positive sizes")

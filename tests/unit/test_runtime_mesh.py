@@ -78,3 +78,11 @@ def test_a_mesh_argument_that_is_not_a_mesh_is_a_type_error(no_world, mesh):
     """It was an AttributeError ('str' object has no attribute 'axis_labels'; errors audit)."""
     with pytest.raises(TypeError, match=r"mesh must be a shardkit\.spmd\.Mesh.*xs\.Mesh\("):
         xs.mark_sharding(torch.ones(4), mesh, ("data",))
+
+
+@pytest.mark.parametrize("shape", [(1.0,), (True,), ("1",)])
+def test_a_mesh_shape_of_non_ints_is_a_type_error(no_world, shape):
+    """A float shape was accepted (errors audit), and int() would make 2.5 a 2."""
+    with pytest.raises(TypeError, match="must hold ints"):
+        xs.Mesh(np.arange(1), shape, ("data",))
+    assert xs.Mesh(np.arange(1), (np.int64(1),), ("data",)).shape() == {"data": 1}
