@@ -365,4 +365,3 @@ def test_ddp_refuses_sharded_parameters():
     tp = xs.shard_module(nn.Linear(4, 2), mesh, {"weight": ("fsdp", None)})
     with pytest.raises(NotImplementedError, match="parameter 'weight'.*ShardedTensor"):
         DDP(tp)
-
