@@ -65,7 +65,8 @@ def private_group(ranks: Sequence[int], *, owner: object = None, **kwargs: Any) 
     if whole:
         _destroy_retired()
         if owner is not None:
-            weakref.finalize(owner, _retire, current_world(), group)
+            # not at exit: the teardown drops every reference to the groups instead
+            weakref.finalize(owner, _retire, current_world(), group).atexit = False
     return group
 
 

@@ -228,3 +228,13 @@ def test_a_config_path_that_is_no_regular_file_is_refused_at_once(gpt2_ckpt, tmp
     for path in (tmp_path / "config.json", "/dev/zero"):
         with fail_after(60), pytest.raises(OSError, match="not a regular file"):
             to_hf(tmp / "train", tmp_path / "out", config=str(path))
+
+
+def test_load_hf_with_swapped_arguments_and_to_hf_with_a_missing_config(gpt2_ckpt, tmp_path):
+    """load_hf(path, model) failed in os.fspath ("expected str, bytes..."), and a missing
+    config file gave a bare [Errno 2] (errors audit)."""
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got str"):
+        load_hf(str(tmp_path), build("llama"))
+    with pytest.raises(FileNotFoundError, match=r"config file .*nope\.json' does not exist"):
+        to_hf(gpt2_ckpt[0] / "train", tmp_path / "out", config=tmp_path / "nope.json")
+    assert not (tmp_path / "out").exists()

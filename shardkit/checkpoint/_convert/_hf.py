@@ -100,11 +100,18 @@ def _config_dict(config: Any) -> dict:
     if isinstance(config, (str, os.PathLike)):
         name = os.fspath(config)
         fs, path = fsspec.core.url_to_fs(name)
-        if isinstance(fs, LocalFileSystem):  # never blocks on a FIFO, never reads /dev/zero
-            raw = read_small_file(path, _MAX_CONFIG_BYTES)
-        else:
-            with fs.open(path, "rb") as f:
-                raw = f.read(_MAX_CONFIG_BYTES + 1)
+        try:
+            if isinstance(fs, LocalFileSystem):  # never blocks on a FIFO, never reads /dev/zero
+                raw = read_small_file(path, _MAX_CONFIG_BYTES)
+            else:
+                with fs.open(path, "rb") as f:
+                    raw = f.read(_MAX_CONFIG_BYTES + 1)
+        except FileNotFoundError as exc:  # the class stays; the message says what it is for
+            raise FileNotFoundError(
+                exc.errno,
+                f"config file {name!r} does not exist; pass the model's config.json, a dict "
+                "or a transformers PretrainedConfig",
+            ) from None
         if len(raw) > _MAX_CONFIG_BYTES:
             raise ValueError(f"config file {name!r} is over {_MAX_CONFIG_BYTES} bytes")
         try:  # too deep, invalid UTF-8 or not JSON: a ValueError (parse_json)

@@ -223,6 +223,11 @@ def load_hf(
     Returns:
         The model keys (under ``prefix``) that kept their values.
     """
+    if not isinstance(model, nn.Module):  # load_hf(path, model) said "expected str, bytes"
+        raise TypeError(
+            f"load_hf(model, path): model must be a torch.nn.Module, got "
+            f"{type(model).__name__}; the model comes first"
+        )
     if not isinstance(prefix, str):
         raise TypeError(f"prefix must be a string, got {prefix!r}")
     if prefix and not prefix.endswith("."):
