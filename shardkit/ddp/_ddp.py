@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import numbers
 import sys
 import warnings
@@ -18,6 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from .. import runtime
+from ..runtime._json_gather import all_gather_json
 from ._errors import CommHookError, ModelMismatchError, NothingToTrainError
 from ._grad_bucket import GradBucket
 from ._join import DDPJoinHook, exchange
@@ -477,19 +477,9 @@ def _refuse_sharded(module: nn.Module) -> None:
 
 def _first_difference(named: list[tuple[str, torch.Tensor]], group, device) -> str:
     """The first parameter whose name, shape or dtype differs between the ranks, or the
-    counts by rank (JSON over one all-gather of bytes: nothing is unpickled)."""
+    counts by rank (a JSON all-gather: nothing is unpickled)."""
     mine = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in named]
-    raw = json.dumps(mine).encode()
-    world = dist.get_world_size(group)
-    size = torch.tensor([len(raw)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
-    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    bufs = [torch.zeros_like(buf) for _ in range(world)]
-    dist.all_gather(bufs, buf, group=group)
-    every = [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, sizes)]
+    every = all_gather_json(mine, group, device=device)
     for index in range(min(len(params) for params in every)):
         entries = [params[index] for params in every]
         if any(entry != entries[0] for entry in entries):

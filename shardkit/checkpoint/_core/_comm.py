@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...runtime._json_gather import all_gather_json
 from ._errors import CheckpointError
 
 
@@ -31,20 +32,9 @@ class Comm:
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
-        raw = json.dumps(obj, separators=(",", ":")).encode()
         if self.world_size == 1:
-            return [json.loads(raw)]
-        device = self._device()
-        size = torch.tensor([len(raw)], dtype=torch.int64, device=device)
-        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        self._all_gather(sizes, size)
-        lengths = [int(s.item()) for s in sizes]
-        buf = torch.zeros(max(lengths), dtype=torch.uint8)
-        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        buf = buf.to(device)
-        outs = [torch.empty_like(buf) for _ in range(self.world_size)]
-        self._all_gather(outs, buf)
-        return [json.loads(bytes(o[:n].cpu().numpy())) for o, n in zip(outs, lengths)]
+            return [json.loads(json.dumps(obj, separators=(",", ":")))]
+        return all_gather_json(obj, self.group, device=self._device(), gather=self._all_gather)
 
     def _all_gather(self, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
         """``dist.all_gather``; a timeout says the likely cause: a save or load that not
