@@ -31,8 +31,9 @@ class SpmdFullyShardedDataParallel(nn.Module):
             data parallelism across FSDP groups; parameters stay replicated over it.
 
     Plain tensor inputs are sharded along dim 0 (the batch); ShardedTensor inputs are
-    used as given. A parameter shared by several modules (tied weights) stays shared. Gathered parameters stay alive until backward has used them (like
-    ZeRO-2's ``reshard_after_forward=False``).
+    used as given. A parameter shared by several modules (tied weights) stays shared.
+    Gathered parameters stay alive until backward has used them (like ZeRO-2's
+    ``reshard_after_forward=False``).
     """
 
     _shardkit_wrapper = True

@@ -383,9 +383,8 @@ class DefaultLoadPlanner(LoadPlanner):
         }
         for name, value in flags.items():
             check_flag("DefaultLoadPlanner", name, value)
-        for name, value in (("flatten_state_dict", flatten_state_dict),
-                            ("flatten_sharded_tensors", flatten_sharded_tensors)):  # fmt: skip
-            if not value:
+        for name in ("flatten_state_dict", "flatten_sharded_tensors"):
+            if not flags[name]:
                 warn_once(
                     f"DefaultLoadPlanner({name}=False) has no effect in shardkit: nested "
                     "values are always addressed by dotted keys"
