@@ -116,6 +116,20 @@ def test_policies_keep_every_k_and_best_n(tmp_path):
         assert mgr.all_steps() == [2, 8]
 
 
+def test_a_metric_that_is_no_number_does_not_stop_retention(tmp_path):
+    """A None metric used to make every retention pass raise (and only log): with
+    max_to_keep=2 every step stayed on disk."""
+    policy = BestN("val_loss", 1, mode="min", keep_without_metric=False)
+    kw = {"max_to_keep": 2, "preservation_policy": policy, "chkpt_on_preemption": False}
+    with CheckpointManager(str(tmp_path / "run"), 1, **kw) as mgr:
+        for step in range(6):
+            mgr.save(
+                step, _state(step), metrics={"val_loss": None if step == 1 else 1.0 / (step + 1)}
+            )
+        mgr.join()
+        assert mgr.all_steps() == [4, 5]  # the newest two; 5 is also the best
+
+
 def test_failed_background_save_names_the_step(tmp_path, monkeypatch):
     from shardkit.checkpoint._manager import _io as _manager_io
 

@@ -125,6 +125,22 @@ def test_policies():
             bad()
     with pytest.raises(ValueError, match="mode"):
         BestN("acc", 1, mode="best")
+    with pytest.raises(TypeError, match="keep_without_metric"):
+        BestN("acc", 1, keep_without_metric="no")
+    with pytest.raises(TypeError, match="BestN"):
+        BestN("acc", 1, "min")  # mode is keyword-only
+    with pytest.raises(TypeError, match=r"LatestN\(n\).*str '3'"):
+        LatestN("3")  # a wrong type is a TypeError, as CheckpointManager(max_to_keep="3")
+
+
+def test_best_n_treats_a_value_that_is_no_number_as_missing():
+    """Metrics come back from manager.json; None, a string or a bool must not stop
+    retention (it would raise in every pass, and nothing would ever be deleted)."""
+    steps = {1: {"loss": None}, 2: {"loss": 0.5}, 3: {"loss": "n/a"}, 4: {"loss": 0.2}}
+    steps |= {5: {"loss": True}, 6: {"loss": 0.9}, 7: {"loss": [1]}, 8: "not a dict"}
+    assert BestN("loss", 1, mode="min").should_preserve(steps) == {1, 3, 4, 5, 7, 8}
+    best = BestN("loss", 2, mode="min", keep_without_metric=False)
+    assert best.should_preserve(steps) == {2, 4}
     with pytest.raises(TypeError, match=r"policies\[1\]"):
         AnyPreservationPolicy([LatestN(1), object()])
 

@@ -101,7 +101,11 @@ class BackgroundMethods:
         try:
             self._retain_pass()
         except Exception as exc:
-            log.warning("retention pass under %s failed: %s", self.path, exc)
+            log.warning(
+                "retention pass under %s failed, so no step was deleted (the next save "
+                "retries): %s: %s",
+                self.path, type(exc).__name__, exc,
+            )  # fmt: skip
 
     def _retain_pass(self) -> None:
         self._lease.renew(force=False)  # a writer that lost its lease deletes nothing

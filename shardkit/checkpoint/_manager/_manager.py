@@ -48,8 +48,9 @@ class CheckpointManager(SetupMethods, BackgroundMethods, TierMethods, RestoreMet
     Args:
         path: fsspec URL of the run's directory (local path, ``memory://``, ``s3://``...).
         save_interval: ``should_save(step)`` is true when ``step % save_interval == 0``.
-        max_to_keep: keep only the newest N committed steps (0: keep all). Older ones
-            are deleted in the background once a newer step has committed.
+        max_to_keep: keep only the newest N committed steps (0: no count limit, so every
+            step is kept unless ``preservation_policy`` says otherwise). Older ones are
+            deleted in the background once a newer step has committed.
         max_pending_async: how many ``save_async`` saves may be in flight; the next waits.
         process_group: the ranks that take part (default: the world). The manager runs
             its own collectives on a private gloo group over those ranks.
@@ -58,7 +59,7 @@ class CheckpointManager(SetupMethods, BackgroundMethods, TierMethods, RestoreMet
             reader cannot checkpoint, so the signal stops it as usual.
         preemption_signal: the signal announcing preemption (e.g. ``signal.SIGUSR1``).
         preservation_policy: a :class:`PreservationPolicy` (``EveryNSteps``, ``BestN``,
-            ...); a step is kept when it or ``max_to_keep`` keeps it. The newest
+            ...); a step is kept when it or ``max_to_keep`` (if > 0) keeps it. The newest
             committed step is never deleted.
         storage_options: fsspec options for ``path`` (credentials, ``endpoint_url``...).
         async_process_group: names the ranks of the background commit of ``save_async``

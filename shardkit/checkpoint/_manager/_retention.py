@@ -8,8 +8,11 @@ resume. Modelled on Orbax's preservation policies.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
+
+from ._checks import nonneg_int
 
 __all__ = [
     "AnyPreservationPolicy",
@@ -35,17 +38,11 @@ class PreservationPolicy(Protocol):
         ...
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 class LatestN:
     """Keep the ``n`` newest steps (what ``max_to_keep=n`` means)."""
 
     def __init__(self, n: int):
-        self.n = _positive_int("LatestN(n)", n)
+        self.n = nonneg_int("LatestN(n)", n, minimum=1)
 
     def should_preserve(self, steps_with_metrics: StepsWithMetrics) -> set[int]:
         """The ``n`` largest steps."""
@@ -59,7 +56,7 @@ class EveryNSteps:
     """Keep every step that is a multiple of ``k`` (for example, a long-term archive)."""
 
     def __init__(self, k: int):
-        self.k = _positive_int("EveryNSteps(k)", k)
+        self.k = nonneg_int("EveryNSteps(k)", k, minimum=1)
 
     def should_preserve(self, steps_with_metrics: StepsWithMetrics) -> set[int]:
         """Steps divisible by ``k``."""
@@ -77,25 +74,36 @@ class BestN:
         n: how many steps to keep.
         mode: ``"max"`` keeps the largest values, ``"min"`` the smallest.
         keep_without_metric: keep steps saved without this metric (default True), so
-            a checkpoint is never dropped just because it was not evaluated.
+            a checkpoint is never dropped just because it was not evaluated. A value
+            that is not a finite number (``None``, a string) counts as no metric.
     """
 
-    def __init__(self, metric: str, n: int, mode: str = "max", *, keep_without_metric=True):
+    def __init__(self, metric: str, n: int, *, mode: str = "max", keep_without_metric=True):
         if not isinstance(metric, str) or not metric:
             raise ValueError(f"BestN(metric) must be a non-empty str, got {metric!r}")
         if mode not in ("max", "min"):
             raise ValueError(f"BestN(mode) must be 'max' or 'min', got {mode!r}")
+        if not isinstance(keep_without_metric, bool):
+            raise TypeError(
+                f"BestN(keep_without_metric) must be True or False, got {keep_without_metric!r}"
+            )
         self.metric = metric
-        self.n = _positive_int("BestN(n)", n)
+        self.n = nonneg_int("BestN(n)", n, minimum=1)
         self.mode = mode
-        self.keep_without_metric = bool(keep_without_metric)
+        self.keep_without_metric = keep_without_metric
 
     def should_preserve(self, steps_with_metrics: StepsWithMetrics) -> set[int]:
-        """The ``n`` best steps by ``metric``; ties go to the newer step."""
+        """The ``n`` best steps by ``metric``; ties go to the newer step.
+
+        Metrics come back from ``manager.json``, so any JSON value may turn up: one
+        that is not a finite number is treated as missing rather than raising, which
+        would stop every deletion, ``max_to_keep``'s too.
+        """
         scored, unscored = [], set()
         for step, metrics in steps_with_metrics.items():
-            if metrics is not None and self.metric in metrics:
-                scored.append((float(metrics[self.metric]), step))
+            value = metrics.get(self.metric) if isinstance(metrics, Mapping) else None
+            if _is_score(value):
+                scored.append((float(value), step))
             else:
                 unscored.add(step)
         sign = -1.0 if self.mode == "max" else 1.0
@@ -105,6 +113,13 @@ class BestN:
 
     def __repr__(self) -> str:
         return f"BestN({self.metric!r}, {self.n}, mode={self.mode!r})"
+
+
+def _is_score(value: Any) -> bool:
+    """A finite int or float (not a bool): what ``BestN`` can rank."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value)
 
 
 class AnyPreservationPolicy:
