@@ -20,23 +20,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ... import runtime
 from ...runtime._groups import cached_group
 from ._comm import Comm
 from ._copy import copy_into
 from ._flatten import Flat, flatten
 from ._format import Metadata
 from ._fs_rules import refuse_per_process
-from ._planner import DefaultSavePlanner, SavePlanner, WriteItem
-from ._replicas import check_verify_replicas
+from ._planner import SavePlanner, WriteItem
 from ._save import (
     SaveJob,
-    base_reader,
+    begin_save,
     max_file_bytes,
     prepare,
-    resolve_writer,
     set_inflight,
-    wait_for_inflight,
     write_and_commit,
 )
 from ._storage import FileSystemWriter, StorageWriter
@@ -168,16 +164,12 @@ def async_save(
         ``checkpoint_id`` or ``storage_writer``, an object of the wrong type) raises at
         the call, as :func:`save` does (torch reports it from the Future).
     """
-    writer = resolve_writer(checkpoint_id, storage_writer)
-    planner = planner if planner is not None else DefaultSavePlanner()
-    if not isinstance(planner, SavePlanner):
-        raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
     if not isinstance(zero_stall, bool):
         raise TypeError(f"zero_stall must be True or False, got {zero_stall!r}")
-    replicas = "before" if check_verify_replicas(verify_replicas) else "off"
-    base = base_reader(writer, incremental_base)
-    wait_for_inflight()
-    runtime.init()  # join the world the environment describes (torchrun, SLURM)
+    writer, planner, base = begin_save(
+        checkpoint_id, storage_writer, planner, verify_replicas, incremental_base, no_dist
+    )
+    replicas = "before" if verify_replicas else "off"
     future: Future = Future()
     future.set_running_or_notify_cancel()
     try:
@@ -196,16 +188,20 @@ def async_save(
             copy_values(flat)
     except Exception as exc:  # reported inside prepare's agreement, so no rank hangs
         error = exc
+
+    def plan(flat_fn):  # collective: every rank learns of a failure on any rank
+        job = prepare(
+            state_dict, planner, comm, writer.thread_count, max_file_bytes(writer),
+            flat_fn=flat_fn, replicas=replicas, writer=writer,
+        )  # fmt: skip
+        job.base = base
+        return job
+
     job, staged, staging = None, None, None
     if snapshot is None:  # blocking path: plan and stage in the call
         STATS.blocking_saves += 1
         try:
-            cap = max_file_bytes(writer)
-            job = prepare(
-                state_dict, planner, comm, writer.thread_count, cap,
-                flat_fn=_flat_fn(flat, error), replicas=replicas, writer=writer,
-            )  # fmt: skip
-            job.base = base
+            job = plan(_flat_fn(flat, error))
             staged = _stage(job, None)
         except BaseException as exc:
             if job is None:  # planning failed on some rank: every rank knows
@@ -228,12 +224,7 @@ def async_save(
         try:
             if staging is not None:
                 try:
-                    cap = max_file_bytes(writer)
-                    job = prepare(
-                        state_dict, planner, comm, writer.thread_count, cap,
-                        flat_fn=_flat_fn(flat, None), replicas=replicas, writer=writer,
-                    )  # fmt: skip
-                    job.base = base
+                    job = plan(_flat_fn(flat, None))
                     job.before_commit = snapshot.final
                     staged = _stage(job, snapshot)
                 except BaseException as exc:

@@ -514,24 +514,44 @@ def save(
     Returns:
         The committed :class:`Metadata` (the same on every rank).
     """
-    writer = resolve_writer(checkpoint_id, storage_writer)
-    planner = planner if planner is not None else DefaultSavePlanner()
-    if not isinstance(planner, SavePlanner):
-        raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
-    check_verify_replicas(verify_replicas)
-    wait_for_inflight()
-    if not no_dist:
-        runtime.init()  # join the world the environment describes (torchrun, SLURM)
+    writer, planner, base = begin_save(
+        checkpoint_id, storage_writer, planner, verify_replicas, incremental_base, no_dist
+    )
     comm = Comm(process_group, local=check_no_dist(no_dist, use_collectives))
     if isinstance(writer, FileSystemWriter):  # every rank sees the same URL: all raise
         refuse_per_process(writer.fs, writer.url, comm.world_size)
-    base = base_reader(writer, incremental_base)
     job = prepare(
         state_dict, planner, comm, writer.thread_count, max_file_bytes(writer),
         replicas="after" if verify_replicas else "off", writer=writer,
     )  # fmt: skip
     job.base = base
     return write_and_commit(job, writer, comm, live_data(planner))
+
+
+def begin_save(
+    checkpoint_id: Any,
+    storage_writer: Any,
+    planner: Any,
+    verify_replicas: Any,
+    incremental_base: Any,
+    no_dist: Any,
+) -> tuple[StorageWriter, SavePlanner, Any]:
+    """What :func:`save` and ``async_save`` do first, in one order: check the arguments
+    (a mistake raises at the call), wait for a save still in flight, then join the world
+    the environment describes (torchrun, SLURM) unless ``no_dist``.
+
+    Returns the writer, the planner and the incremental base's reader (or None).
+    """
+    writer = resolve_writer(checkpoint_id, storage_writer)
+    planner = planner if planner is not None else DefaultSavePlanner()
+    if not isinstance(planner, SavePlanner):
+        raise TypeError(f"planner must be a SavePlanner, got {type(planner).__name__}")
+    check_verify_replicas(verify_replicas)
+    base = base_reader(writer, incremental_base)
+    wait_for_inflight()
+    if not no_dist:  # no_dist: a world of one, even where the environment names more
+        runtime.init()
+    return writer, planner, base
 
 
 def base_reader(writer: StorageWriter, incremental_base: Any) -> Any:
