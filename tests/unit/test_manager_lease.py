@@ -70,9 +70,23 @@ def test_lease_of_a_dead_process_on_this_host_is_taken_at_once(tmp_path):
         mgr.save(2, {"w": torch.ones(2)})
 
 
+@pytest.mark.parametrize("expires", [1e300, float("nan"), float("inf"), -5.0, True, "soon"])
+def test_a_lease_expiring_at_no_real_time_is_unreadable_and_taken(tmp_path, caplog, expires):
+    """Damage or tampering: NaN counted as live forever, and 1e300 or inf broke the
+    message (OverflowError from time.gmtime) instead of naming the lease."""
+    run = str(tmp_path / "run")
+    _plant_lease(run, expires=expires)
+    with _mgr(run) as mgr:
+        assert mgr.save(1, {"w": torch.ones(2)})
+        assert _lease(run)["pid"] == os.getpid()
+    assert "ignoring an unreadable lease file" in caplog.text
+
+
 def test_bad_lease_options_are_refused(tmp_path):
     with pytest.raises(ValueError, match="lease_ttl"):
         _mgr(str(tmp_path), lease_ttl=0)
+    with pytest.raises(ValueError, match="lease_ttl must be .* from 1 to"):
+        _mgr(str(tmp_path), lease_ttl=1e12)
     with pytest.raises(TypeError, match="read_only"):
         _mgr(str(tmp_path), read_only=1)
 
