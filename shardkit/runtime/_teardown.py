@@ -20,7 +20,8 @@ Two phases, both while the interpreter and every process group are still alive:
 
 A rank that fails skips the barrier (the others may be inside a collective it will
 never join): an uncaught exception (also under an application's own ``sys.excepthook``)
-or ``sys.exit`` with a non-zero status (argparse's errors too). It closes its
+or ``sys.exit``, ``exit`` or ``quit`` with a non-zero status (argparse's errors too;
+not a bare ``raise SystemExit(1)``, which leaves no trace a hook could see). It closes its
 connections, so a rank waiting for it in a collective fails at once instead of at the
 group's timeout, and the launcher stops the rest. The barrier itself is bounded
 (``SHARDKIT_EXIT_WAIT_MAX`` seconds, default 120): a rank that finished and waits longer
@@ -109,14 +110,46 @@ def own_default_group(group: object = None) -> None:
             previous(exc_type, exc, tb)
 
         def exit_(status=None):
-            global _failed
-            if status not in (None, 0):  # sys.exit(1), sys.exit("message"), argparse
-                _failed = True
+            _note_exit_status(status)  # sys.exit(1), sys.exit("message"), argparse
             previous_exit(status)
 
         sys.excepthook = excepthook
         sys.exit = exit_
+        _watch_builtin_exits()
         atexit.register(teardown)
+
+
+def _note_exit_status(status: object) -> None:
+    global _failed
+    if status not in (None, 0):
+        _failed = True
+
+
+class _WatchedExit:
+    """``exit``/``quit`` of the interactive builtins (``site``'s), noting a failing status.
+
+    ``raise SystemExit(1)`` itself cannot be seen: Python runs no hook for it, and by
+    the time exit handlers run the status is gone (docs/architecture.md, Teardown).
+    """
+
+    def __init__(self, inner: Callable[..., object]) -> None:
+        self._inner = inner
+
+    def __call__(self, code: object = None) -> object:
+        _note_exit_status(code)
+        return self._inner(code)
+
+    def __repr__(self) -> str:
+        return repr(self._inner)
+
+
+def _watch_builtin_exits() -> None:
+    import builtins
+
+    for name in ("exit", "quit"):
+        inner = getattr(builtins, name, None)  # absent under ``python -S``
+        if inner is not None and not isinstance(inner, _WatchedExit):
+            setattr(builtins, name, _WatchedExit(inner))
 
 
 def owns_default_group() -> bool:

@@ -37,6 +37,8 @@ SCRIPT = textwrap.dedent(
     if rank == 1:
         if how == "sys.exit":
             sys.exit(1)
+        if how == "builtin exit":
+            exit(1)
         if how == "argparse":
             argparse.ArgumentParser().error("bad --lr")
         if how == "own excepthook":
@@ -89,11 +91,13 @@ def _run(tmp_path, how: str, timeout: float = 150) -> tuple[int, str]:
     return proc.returncode, out
 
 
-@pytest.mark.parametrize("how", ["sys.exit", "argparse", "own excepthook"])
+@pytest.mark.parametrize("how", ["sys.exit", "builtin exit", "argparse", "own excepthook"])
 def test_a_rank_that_fails_ends_the_job(tmp_path, how):
     code, out = _run(tmp_path, how)
     assert code != 0, out[-3000:]
     assert "rank 0 finished" not in out, out[-3000:]
+    # the failed rank skips the exit barrier rather than wait there (bounded, 5 s here)
+    assert "reached the end of the program" not in out, out[-3000:]
     # rank 1 is a failure of the job, and rank 0 learns of it from the closed connection
     assert "Connection closed by peer" in out or "exitcode  : 1" in out, out[-3000:]
 
