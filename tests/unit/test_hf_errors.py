@@ -238,3 +238,19 @@ def test_load_hf_with_swapped_arguments_and_to_hf_with_a_missing_config(gpt2_ckp
     with pytest.raises(FileNotFoundError, match=r"config file .*nope\.json' does not exist"):
         to_hf(gpt2_ckpt[0] / "train", tmp_path / "out", config=tmp_path / "nope.json")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fifo_swapped_in_for_a_shard_is_refused_at_once(tmp_path):
+    """The header reader opened shards with a plain blocking open: a FIFO put in a shard's
+    place after the directory was listed hung the load (the check before is a listing)."""
+    import os
+
+    from hostile import fail_after
+
+    from shardkit.checkpoint._convert import _hf_import
+
+    fifo = tmp_path / "model-00001-of-00002.safetensors"
+    os.mkfifo(fifo)
+    for read in (_hf_import._Header, _hf_import._open):
+        with fail_after(60), pytest.raises((OSError, CorruptCheckpointError), match="not a reg"):
+            read(str(fifo))

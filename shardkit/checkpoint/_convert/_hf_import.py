@@ -19,7 +19,7 @@ from torch import nn
 from ...spmd import ShardedTensor
 from .._core._errors import CorruptCheckpointError
 from .._core._format import SAFETENSORS_NAMES
-from .._core._storage import read_small_file
+from .._core._storage import open_regular, read_small_file
 from .._core._validate import load_json
 from .._state_dict._fqn import clean_key, unwrap
 from .._state_dict._model import get_model_state_dict
@@ -88,6 +88,7 @@ def hf_weight_map(path: str | os.PathLike) -> tuple[str, dict[str, str]]:
 
 def _open(path: str):
     try:
+        os.close(open_regular(path))  # a FIFO or device in its place: refused, not waited on
         return safe_open(path, framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
@@ -101,16 +102,17 @@ class _Header:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(self.fd).st_size
-        raw = os.pread(self.fd, 8, 0)
-        hlen = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        if not 0 < hlen <= min(_MAX_HEADER, size - 8):
-            self.close()
-            raise CorruptCheckpointError(f"{path}: safetensors header length {hlen} is invalid")
+        # the Hub's cache links each shard to its blob, so links are followed; a FIFO or
+        # device swapped in is refused at once (NotRegularFileError), never waited on
+        self.fd = open_regular(path)
         try:
+            size = os.fstat(self.fd).st_size
+            raw = os.pread(self.fd, 8, 0)
+            hlen = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if not 0 < hlen <= min(_MAX_HEADER, size - 8):
+                raise CorruptCheckpointError(f"{path}: safetensors header length {hlen} is invalid")
             header = load_json(os.pread(self.fd, hlen, 8), path, "safetensors header")
-        except CorruptCheckpointError:
+        except BaseException:
             self.close()
             raise
         self.base, self.size = 8 + hlen, size
