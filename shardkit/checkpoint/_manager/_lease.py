@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -31,12 +32,14 @@ from .._core._errors import CheckpointError
 from .._core._fs_rules import publish_file
 from .._core._storage import parse_json, read_small_file
 
-__all__ = ["LEASE_FILE", "Lease", "LeaseHeldError", "LeaseLostError"]
+__all__ = ["LEASE_FILE", "MAX_LEASE_AHEAD_S", "Lease", "LeaseHeldError", "LeaseLostError"]
 
 log = logging.getLogger(__name__)
 
 LEASE_FILE = "manager.lease"
 _MAX_LEASE_BYTES = 4096
+#: the furthest ahead a lease may expire (``lease_ttl``'s bound); beyond it: damage
+MAX_LEASE_AHEAD_S = 100 * 365 * 86400
 
 
 class LeaseHeldError(CheckpointError):
@@ -59,12 +62,21 @@ def _pid_alive(pid: Any) -> bool:
     return True
 
 
+def _sane_expiry(expires: Any) -> bool:
+    """A real, finite time no further ahead than a lease can reach (100 years): anything
+    else in a lease file is damage or tampering, and would otherwise count as live
+    forever (``NaN`` compares false with every time) or break the error message."""
+    if isinstance(expires, bool) or not isinstance(expires, (int, float)):
+        return False
+    return math.isfinite(expires) and 0 <= expires <= time.time() + MAX_LEASE_AHEAD_S
+
+
 def describe(doc: dict) -> str:
-    """``host h, pid p, id x, expires at <UTC time>`` for error messages."""
+    """``owner 'o' (host h, pid p), live until <UTC time>`` for error messages."""
     expires = doc.get("expires")
     when = (
         time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires))
-        if isinstance(expires, (int, float))
+        if _sane_expiry(expires)
         else "?"
     )
     return (
@@ -105,7 +117,11 @@ class Lease:
             doc = parse_json(raw[:_MAX_LEASE_BYTES])
         except ValueError:
             doc = None
-        if not isinstance(doc, dict) or not isinstance(doc.get("owner"), str):
+        if (
+            not isinstance(doc, dict)
+            or not isinstance(doc.get("owner"), str)
+            or not _sane_expiry(doc.get("expires"))
+        ):
             log.warning("ignoring an unreadable lease file %s", self.path)
             return {"owner": None, "expires": 0, "unreadable": True}
         return doc
@@ -152,7 +168,7 @@ class Lease:
     def is_live(self, doc: dict) -> bool:
         """Whether ``doc`` (another owner's lease) still excludes us."""
         expires = doc.get("expires")
-        if not isinstance(expires, (int, float)) or time.time() >= expires:
+        if not _sane_expiry(expires) or time.time() >= expires:
             return False
         if doc.get("host") == socket.gethostname() and not _pid_alive(doc.get("pid")):
             return False  # its process is gone from this host: a crash

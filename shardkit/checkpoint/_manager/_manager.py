@@ -27,7 +27,7 @@ from ._background import BackgroundMethods
 from ._checks import check_metrics as _check_metrics
 from ._checks import nonneg_int as _nonneg_int
 from ._comm import flags_and_ranges
-from ._lease import Lease
+from ._lease import MAX_LEASE_AHEAD_S, Lease
 from ._preemption import PreemptionWatcher
 from ._restore import RestoreMethods
 from ._retention import AnyPreservationPolicy as _Any
@@ -152,8 +152,11 @@ class CheckpointManager(SetupMethods, BackgroundMethods, TierMethods, RestoreMet
                 f"lease_ttl must be a number of seconds >= 1, got {type(lease_ttl).__name__} "
                 f"{lease_ttl!r}"
             )
-        if not lease_ttl >= 1.0:
-            raise ValueError(f"lease_ttl must be a number of seconds >= 1, got {lease_ttl!r}")
+        if not 1.0 <= lease_ttl <= MAX_LEASE_AHEAD_S:
+            raise ValueError(
+                f"lease_ttl must be a number of seconds from 1 to {MAX_LEASE_AHEAD_S} (100 "
+                f"years), got {lease_ttl!r}"
+            )
         self.read_only = read_only
         self._take_over = take_over_lease
         if not isinstance(incremental, bool):
