@@ -204,6 +204,13 @@ def test_global_plan_rejects_inconsistent_ranks():
     with pytest.raises(ValueError, match=r"'s'.*cover 2 elements of 4"):
         planner.create_global_plan([gap])
 
+    # rank 0 shards rows, rank 1 columns (a spec that differs per rank): the overlap and
+    # the gap cancel in the element count, and the load called the checkpoint corrupt
+    rows = dcp.SavePlan([dcp.WriteItem("m", Box((0, 0), (2, 4)), (4, 4), torch.float32)])
+    cols = dcp.SavePlan([dcp.WriteItem("m", Box((0, 2), (4, 2)), (4, 4), torch.float32)])
+    with pytest.raises(ValueError, match=r"'m'.*\[0, 0\] and \[0, 2\] overlap.*ranks \[0, 1\]"):
+        planner.create_global_plan([rows, cols])
+
 
 def test_async_save_round_trip_and_buffer_reuse(tmp_path):
     from shardkit.checkpoint._core import _async

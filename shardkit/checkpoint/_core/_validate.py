@@ -193,33 +193,44 @@ def _label(key: str, c: Any) -> str:
 MAX_OVERLAP_PAIRS = 5_000_000
 
 
-def _check_overlaps(source: str, key: str, ndim: int, boxes: list) -> None:
-    """No two of ``boxes`` (``(offsets, ends)``, non-empty) share an element."""
+def find_overlap(ndim: int, boxes: list, max_pairs: int = MAX_OVERLAP_PAIRS) -> tuple | None:
+    """The first two of ``boxes`` (``(offsets, ends)``, non-empty) that share an element,
+    or None. Sorts ``boxes``; raises OverflowError past ``max_pairs`` comparisons."""
     # sweep along the dim the chunks split most: compare only chunks overlapping along it
     d = max(range(ndim), key=lambda i: len({b[0][i] for b in boxes})) if ndim else 0
     boxes.sort(key=lambda b: b[0][d] if ndim else 0)
     active: list = []
-    budget = MAX_OVERLAP_PAIRS
+    budget = max_pairs
     for lo, hi in boxes:
         budget -= len(active)
         if budget < 0:
-            _fail(
-                source,
-                f"key {key!r}",
-                f"checking its {len(boxes)} chunks for overlaps takes more than "
-                f"{MAX_OVERLAP_PAIRS} comparisons (no saved layout does): a crafted or "
-                "corrupt metadata file",
-            )
+            raise OverflowError(f"more than {max_pairs} comparisons")
         if ndim:
             active = [b for b in active if b[1][d] > lo[d]]
         for olo, ohi in active:
             if all(max(a, b) < min(c, e) for a, b, c, e in zip(lo, olo, hi, ohi)):
-                _fail(
-                    source,
-                    f"key {key!r}",
-                    f"chunks at offsets={list(olo)} and offsets={list(lo)} overlap",
-                )
+                return (olo, ohi), (lo, hi)
         active.append((lo, hi))
+    return None
+
+
+def _check_overlaps(source: str, key: str, ndim: int, boxes: list) -> None:
+    """No two of ``boxes`` (``(offsets, ends)``, non-empty) share an element."""
+    try:
+        pair = find_overlap(ndim, boxes)
+    except OverflowError:
+        _fail(
+            source,
+            f"key {key!r}",
+            f"checking its {len(boxes)} chunks for overlaps takes more than "
+            f"{MAX_OVERLAP_PAIRS} comparisons (no saved layout does): a crafted or "
+            "corrupt metadata file",
+        )
+    if pair is not None:
+        (olo, _), (lo, _) = pair
+        _fail(
+            source, f"key {key!r}", f"chunks at offsets={list(olo)} and offsets={list(lo)} overlap"
+        )
 
 
 def check_tiling(source: str, key: str, shape: tuple, total: int, boxes: list) -> None:
