@@ -193,13 +193,15 @@ def _label(key: str, c: Any) -> str:
 MAX_OVERLAP_PAIRS = 5_000_000
 
 
-def find_overlap(ndim: int, boxes: list, max_pairs: int = MAX_OVERLAP_PAIRS) -> tuple | None:
+def find_overlap(ndim: int, boxes: list, max_pairs: int | None = None) -> tuple | None:
     """The first two of ``boxes`` (``(offsets, ends)``, non-empty) that share an element,
-    or None. Sorts ``boxes``; raises OverflowError past ``max_pairs`` comparisons."""
+    or None. Sorts ``boxes``; raises OverflowError past ``max_pairs`` comparisons
+    (default :data:`MAX_OVERLAP_PAIRS`)."""
     # sweep along the dim the chunks split most: compare only chunks overlapping along it
     d = max(range(ndim), key=lambda i: len({b[0][i] for b in boxes})) if ndim else 0
     boxes.sort(key=lambda b: b[0][d] if ndim else 0)
     active: list = []
+    max_pairs = MAX_OVERLAP_PAIRS if max_pairs is None else max_pairs
     budget = max_pairs
     for lo, hi in boxes:
         budget -= len(active)
