@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 
-from ... import runtime
+from ...runtime._collective import collective_device
 from .._core._errors import CheckpointError
 from .._core._format import Metadata
 from .._core._planner import unwrapped, wrapped_pairs
@@ -382,9 +382,7 @@ def to_hf(
         if not taken or overwrite:
             fs.makedirs(root, exist_ok=True)
     if world > 1:  # every rank raises alike, so none waits at a barrier for rank 0
-        # NCCL needs the flag on this rank's GPU; gloo takes the CPU
-        on = runtime.device() if dist.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([len(taken)], dtype=torch.int64, device=on)
+        flag = torch.tensor([len(taken)], dtype=torch.int64, device=collective_device())
         dist.broadcast(flag, src=0)
         if flag.item() and not taken:
             taken = ["files seen by rank 0"]
@@ -459,8 +457,7 @@ def _agree(failed_here: bool, rank: int, world: int) -> list[int]:
     must not leave the others waiting at a barrier, nor rank 0 publish the index."""
     if world == 1:
         return [rank] if failed_here else []
-    on = runtime.device() if dist.get_backend() == "nccl" else torch.device("cpu")
-    flags = torch.zeros(world, dtype=torch.int64, device=on)
+    flags = torch.zeros(world, dtype=torch.int64, device=collective_device())
     flags[rank] = int(failed_here)
     dist.all_reduce(flags)
     return [r for r in range(world) if flags[r].item()]

@@ -13,10 +13,10 @@ from typing import Any
 import torch.distributed as dist
 
 from ...runtime._groups import private_group
+from ...runtime._json_broadcast import broadcast_json
 from .._core._comm import Comm
 from .._core._errors import CheckpointError
 from .._core._format import METADATA_FILE
-from ._comm import broadcast_json
 from ._run import ensure_run_id
 
 __all__ = ["SetupMethods"]
@@ -174,7 +174,8 @@ class SetupMethods:
                 what_failed = str(exc) if isinstance(exc, CheckpointError) else None
                 what_failed = what_failed or f"{type(exc).__name__}: {exc}"
                 result, cause = {"error": what_failed}, exc
-        result = broadcast_json(result, self._ctrl, len(self._ranks))
+        if self._ctrl is not None and len(self._ranks) > 1:
+            result = broadcast_json(result, self._ctrl)
         if "error" in result:
             raise CheckpointError(f"{what} under {self.path} failed: {result['error']}") from cause
         return result["ok"]
