@@ -32,6 +32,7 @@ import torch
 from ...spmd.layout import Box
 from .._core._errors import CorruptCheckpointError, damage_is_corruption
 from .._core._format import is_int
+from .._core._storage import NotRegularFileError, open_regular
 from .._core._validate import MAX_METADATA_BYTES, check_name, check_shape, check_tiling
 from ._torch_file import torch_load
 
@@ -79,20 +80,16 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def _open_regular(path: str, what: str) -> int:
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        return open_regular(path, follow_symlinks=False)
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} {path!r} does not exist") from None
+    except NotRegularFileError:
+        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO or device?)") from None
     except OSError as exc:
         if os.path.islink(path):
             raise CorruptCheckpointError(f"{path} is a symbolic link; refused") from None
         raise CorruptCheckpointError(f"{path}: cannot open ({exc.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO or device?)")
-    os.set_blocking(fd, True)
-    return fd
 
 
 def _dims(value: Any, what: str) -> tuple[int, ...]:

@@ -7,7 +7,6 @@ import json
 import math
 import mmap
 import os
-import stat
 import struct
 import sys
 import warnings
@@ -28,7 +27,7 @@ from .._core._format import (
 )
 from .._core._load import load, load_with_metadata
 from .._core._planner import DefaultLoadPlanner
-from .._core._storage import FileSystemReader
+from .._core._storage import FileSystemReader, NotRegularFileError, open_regular
 from .._core._validate import MAX_HEADER_BYTES, check_files, check_shape, load_json
 
 __all__ = [
@@ -261,11 +260,10 @@ class SafetensorsStreamWriter:
 def _open_regular(path: str):
     """Open a local file for reading: never blocks on a FIFO, refuses anything but a
     regular file (a FIFO, a device such as /dev/zero, a directory)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO or device?)")
-    os.set_blocking(fd, True)
+    try:
+        fd = open_regular(path)
+    except NotRegularFileError:
+        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO or device?)") from None
     return os.fdopen(fd, "rb")
 
 

@@ -29,15 +29,22 @@ _WRITE_CHUNK = 1 << 20
 DEFAULT_MAX_FILE_BYTES = 4 << 30
 
 
-def open_regular(path: str, *, follow_symlinks: bool = True) -> int:
-    """A read-only descriptor of the local regular file ``path``, opened without
-    blocking: a FIFO, device or directory planted under the name raises OSError
-    (EINVAL) at once instead of hanging or reading forever."""
+class NotRegularFileError(OSError):
+    """:func:`open_regular` refused the entry: a FIFO, device, socket or directory."""
+
+
+def open_regular(path: str, *, follow_symlinks: bool = True, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of the local regular file ``path`` (relative to ``dir_fd``
+    when given), opened without blocking: a FIFO, device or directory planted under the
+    name raises :class:`NotRegularFileError` (an OSError, EINVAL) at once instead of
+    hanging or reading forever. Other failures raise ``os.open``'s OSError; callers turn
+    either into their own message."""
     nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
-    fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    flags = os.O_RDONLY | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+            raise NotRegularFileError(errno.EINVAL, f"{path} is not a regular file")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -229,12 +236,12 @@ class _FileSystem:
             return f"{self.parent}/{folder}/{name}"
         return os.path.join(self.root, name) if self.local else f"{self.root}/{name}"
 
-    def _open_nofollow(self, name: str, flags: int) -> int:
-        """``os.open`` of ``join(name)`` following no symlink in the last component, nor in
-        the sibling directory's name of a linked file."""
+    def _open_nofollow(self, name: str) -> int:
+        """:func:`open_regular` of ``join(name)`` following no symlink in the last
+        component, nor in the sibling directory's name of a linked file."""
         folder = self._links.get(name)
         if folder is None:
-            return os.open(self.join(name), flags)
+            return open_regular(self.join(name), follow_symlinks=False)
         dflags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
             dfd = os.open(os.path.join(self.parent, folder), dflags)
@@ -246,7 +253,7 @@ class _FileSystem:
                 "checkpoint (a symbolic link or another kind of entry); refused"
             ) from None
         try:
-            return os.open(name, flags, dir_fd=dfd)
+            return open_regular(name, follow_symlinks=False, dir_fd=dfd)
         finally:
             os.close(dfd)
 
@@ -254,9 +261,13 @@ class _FileSystem:
         """A read-only descriptor of local entry ``name``: never through a symlink, never
         blocking (a FIFO opens at once), and only for a regular file."""
         path = self.join(name)
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = self._open_nofollow(name, flags)
+            return self._open_nofollow(name)
+        except NotRegularFileError:
+            raise CorruptCheckpointError(
+                f"{self.url}: {name} is not a regular file (a FIFO, device, socket or "
+                "directory); refused"
+            ) from None
         except OSError as exc:
             if isinstance(exc, FileNotFoundError):
                 raise FileNotFoundError(f"{self.url}: {name} does not exist") from None
@@ -266,14 +277,6 @@ class _FileSystem:
                     "files inside the directory"
                 ) from None
             raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise CorruptCheckpointError(
-                f"{self.url}: {name} is not a regular file (a FIFO, device, socket or "
-                "directory); refused"
-            )
-        os.set_blocking(fd, True)
-        return fd
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
