@@ -54,10 +54,6 @@ class Placement:
     def user_spec(self) -> tuple:
         return spec_to_user(self.spec, self.mesh.axis_labels)
 
-    @property
-    def partial_axes(self) -> tuple[int, ...]:
-        return tuple(a for a, _ in self.partial)
-
     def is_replicated(self) -> bool:
         return self._replicated
 
