@@ -60,7 +60,7 @@ def _pid_alive(pid: Any) -> bool:
 
 
 def describe(doc: dict) -> str:
-    """``host h, pid p, id x, expires at <UTC time>`` for error messages."""
+    """``owner 'o' (host h, pid p), live until <UTC time>`` for error messages."""
     expires = doc.get("expires")
     when = (
         time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires))

@@ -93,10 +93,15 @@ class SetupMethods:
         for name, group in (("process_group", process_group),
                             ("async_process_group", async_process_group)):  # fmt: skip
             if group is not None and not isinstance(group, dist.ProcessGroup):
-                raise TypeError(
-                    f"{name} must be a torch.distributed.ProcessGroup or None, got "
-                    f"{group!r}; torch_xla's num_of_threads is keyword-only here: "
+                # torch_xla's 5th positional argument is num_of_threads; here it is this
+                hint = (
+                    "; torch_xla's num_of_threads is keyword-only here: "
                     "CheckpointManager(path, save_interval, num_of_threads=4)"
+                    if name == "process_group" and type(group) is int
+                    else ""
+                )
+                raise TypeError(
+                    f"{name} must be a torch.distributed.ProcessGroup or None, got {group!r}{hint}"
                 )
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None or async_process_group is not None:
