@@ -184,7 +184,7 @@ class Mesh:
             raise MeshError(f"mesh axis index {axis} out of range for {self.ndim} axes")
         return axis
 
-    def group_ranks(self, axes: Sequence[int], coord: Sequence[int] | None = None) -> list[int]:
+    def group_ranks(self, axes: Sequence[int], *, coord: Sequence[int] | None = None) -> list[int]:
         """Ranks that differ from ``coord`` only along ``axes``, in chunk order (first axis major)."""
         coord = list(self.coord() if coord is None else coord)
         ranks = []
@@ -212,7 +212,7 @@ class Mesh:
                     coord = [0] * self.ndim
                     for axis, value in zip(others, fixed):
                         coord[axis] = value
-                    ranks = sorted(self.group_ranks(key, coord))
+                    ranks = sorted(self.group_ranks(key, coord=coord))
                     group = dist.new_group(ranks)
                     if runtime.global_ordinal() in ranks:
                         mine = group

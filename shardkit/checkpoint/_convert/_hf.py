@@ -155,7 +155,7 @@ def _template_module(config: Any):
         return cls(config), config
 
 
-def hf_template(model: Any = None, config: Any = None) -> HFTemplate:
+def hf_template(*, model: Any = None, config: Any = None) -> HFTemplate:
     """The keys, shapes and tied aliases of ``model`` (or of the model ``config`` names).
 
     ``model`` must be the plain HF model (any device, ``meta`` included), not a wrapper.
@@ -368,7 +368,7 @@ def to_hf(
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
     max_bytes = parse_size(max_shard_size)
     metadata, reader = checkpoint_metadata(checkpoint_id)
-    template = hf_template(model, config)
+    template = hf_template(model=model, config=config)
     if template.config is None:
         raise ValueError("pass config=: from_pretrained needs config.json")
     chosen = _pick_prefix(prefix, template, list(metadata.tensors))

@@ -131,9 +131,9 @@ def _local_reads(st, expanded, j, start, trial_index_spec, p, out_shape) -> bool
     out = Placement(mesh, out_spec)
     for rank in range(mesh.size()):
         coord = mesh.coord_of(rank)
-        sl = out.box(out_shape, coord).slices()[start : start + nb]
+        sl = out.box(out_shape, coord=coord).slices()[start : start + nb]
         values = expanded[j][sl]
-        held = p.box(st.shape, coord)
+        held = p.box(st.shape, coord=coord)
         lo, hi = held.offsets[j], held.offsets[j] + held.sizes[j]
         if values.numel() and (int(values.min()) < lo or int(values.max()) >= hi):
             return False
