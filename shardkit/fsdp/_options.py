@@ -12,10 +12,11 @@ from torch.utils._pytree import tree_map
 
 __all__ = ["FSDPOptions", "cast_floats"]
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+#: the dtypes compute_dtype and buffer_dtype may name
+_ALLOWED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FSDPOptions:
     """Options of one FSDP unit (see :class:`FullyShardedDataParallel` for their meaning)."""
 
@@ -51,7 +52,7 @@ class FSDPOptions:
             )
         for name in ("compute_dtype", "buffer_dtype"):
             value = getattr(self, name)
-            if value is not None and value not in _LOW_PRECISION:
+            if value is not None and value not in _ALLOWED_DTYPES:
                 raise ValueError(
                     f"FSDP option {name}={value!r} must be one of torch.bfloat16, "
                     "torch.float16, torch.float32, torch.float64 or None"

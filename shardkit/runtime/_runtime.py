@@ -35,9 +35,11 @@ _spmd_enabled = False
 
 
 def _env_int(*names: str) -> int | None:
+    """The first of ``names`` set in the environment (blank counts as unset), as an int;
+    None when none is set. Raises ValueError naming the variable when it is no integer."""
     for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
+        value = os.environ.get(name, "")
+        if value.strip():
             try:
                 return int(value)
             except ValueError:

@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from ._runtime import global_ordinal, local_rank, world_size
+from ._runtime import _env_int, global_ordinal, local_rank, world_size
 
 __all__ = [
     "addressable_device_count",
@@ -33,19 +33,6 @@ __all__ = [
 ]
 
 _WARNED: set[str] = set()
-
-
-def _env_int(*names: str) -> int | None:
-    for name in names:
-        value = os.environ.get(name, "")
-        if value.strip():
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(
-                    f"environment variable {name}={value!r} is not an integer"
-                ) from None
-    return None
 
 
 def _warn_once(key: str, message: str) -> None:

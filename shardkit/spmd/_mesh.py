@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import numbers
-import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -13,6 +12,7 @@ import numpy as np
 import torch.distributed as dist
 
 from .. import runtime
+from ..runtime._runtime import _env_int
 from ._errors import MeshError
 from .layout import mesh_coords
 
@@ -184,7 +184,7 @@ class Mesh:
             raise MeshError(f"mesh axis index {axis} out of range for {self.ndim} axes")
         return axis
 
-    def group_ranks(self, axes: Sequence[int], coord: Sequence[int] | None = None) -> list[int]:
+    def group_ranks(self, axes: Sequence[int], *, coord: Sequence[int] | None = None) -> list[int]:
         """Ranks that differ from ``coord`` only along ``axes``, in chunk order (first axis major)."""
         coord = list(self.coord() if coord is None else coord)
         ranks = []
@@ -212,7 +212,7 @@ class Mesh:
                     coord = [0] * self.ndim
                     for axis, value in zip(others, fixed):
                         coord[axis] = value
-                    ranks = sorted(self.group_ranks(key, coord))
+                    ranks = sorted(self.group_ranks(key, coord=coord))
                     group = dist.new_group(ranks)
                     if runtime.global_ordinal() in ranks:
                         mine = group
@@ -305,8 +305,8 @@ class HybridMesh(Mesh):
         if any(s <= 0 for s in ici + dcn):
             raise MeshError(f"ici_mesh_shape {ici} / dcn_mesh_shape {dcn} must be positive")
         num_blocks, block = int(np.prod(dcn)), int(np.prod(ici))
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if num_blocks > 1 and local and int(local) != block:
+        local = _env_int("LOCAL_WORLD_SIZE")  # a bad value: ValueError naming it
+        if num_blocks > 1 and local is not None and local != block:
             raise MeshError(
                 f"dcn_mesh_shape {dcn} asks for {num_blocks} machines of "
                 f"prod(ici_mesh_shape) = {block} ranks, but each machine runs "

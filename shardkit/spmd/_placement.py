@@ -54,10 +54,6 @@ class Placement:
     def user_spec(self) -> tuple:
         return spec_to_user(self.spec, self.mesh.axis_labels)
 
-    @property
-    def partial_axes(self) -> tuple[int, ...]:
-        return tuple(a for a, _ in self.partial)
-
     def is_replicated(self) -> bool:
         return self._replicated
 
@@ -67,10 +63,10 @@ class Placement:
     def with_spec(self, spec: NormalizedSpec) -> Placement:
         return Placement(self.mesh, spec, self.partial)
 
-    def box(self, global_shape: Sequence[int], coord: Sequence[int] | None = None) -> Box:
+    def box(self, global_shape: Sequence[int], *, coord: Sequence[int] | None = None) -> Box:
         """The box of the rank at ``coord`` (default: this rank)."""
         coord = self.mesh.coord() if coord is None else coord
         return shard_box(global_shape, self.spec, self.mesh.mesh_shape, coord)
 
     def box_of_rank(self, global_shape: Sequence[int], rank: int) -> Box:
-        return self.box(global_shape, self.mesh.coord_of(rank))
+        return self.box(global_shape, coord=self.mesh.coord_of(rank))

@@ -168,7 +168,7 @@ def _gather_covers(mesh, gather_axes, src_boxes, dst_boxes) -> bool:
     """
     for rank, dst_box in dst_boxes.items():
         covered = received = 0
-        for member in mesh.group_ranks(gather_axes, mesh.coord_of(rank)):
+        for member in mesh.group_ranks(gather_axes, coord=mesh.coord_of(rank)):
             overlap = src_boxes[member].intersect(dst_box)
             covered += 0 if overlap is None else overlap.numel
             received += src_boxes[member].numel

@@ -230,7 +230,7 @@ class ShardedTensor(torch.Tensor):
             replica = rank if kind is ShardingType.REPLICATED else 0
             return [XLAShard(local.clone(), Ellipsis, device, replica)]
         box = placement.box(self.shape)
-        largest = placement.box(self.shape, (0,) * self.mesh.ndim).sizes
+        largest = placement.box(self.shape, coord=(0,) * self.mesh.ndim).sizes
         data = local.new_zeros(largest)
         data[tuple(slice(0, n) for n in box.sizes)] = local
         replica = 0 if kind is ShardingType.TILED else self.replica_rank()

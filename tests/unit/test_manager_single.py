@@ -234,6 +234,17 @@ def test_argument_validation(tmp_path, kwargs, exc, match):
         CheckpointManager(str(tmp_path), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs", [{"async_process_group": 4}, {"process_group": object()}, {"process_group": "4"}]
+)
+def test_num_of_threads_hint_only_for_an_int_process_group(tmp_path, kwargs):
+    """The hint is about torch_xla's positional num_of_threads landing in process_group;
+    async_process_group is keyword-only and a non-int is no thread count."""
+    with pytest.raises(TypeError, match="must be a torch.distributed.ProcessGroup") as info:
+        CheckpointManager(str(tmp_path), 1, **kwargs)
+    assert "num_of_threads" not in str(info.value)
+
+
 def test_call_validation(tmp_path):
     with CheckpointManager(str(tmp_path), 1, chkpt_on_preemption=False) as mgr:
         with pytest.raises(ValueError, match="step must be >= 0"):

@@ -103,3 +103,23 @@ def test_the_wait_at_exit_is_bounded(monkeypatch, capsys):
     monkeypatch.setenv("SHARDKIT_EXIT_WAIT_MAX", "0.05")
     assert not wait_at_exit(Never(), 1)
     assert "leaves without them (SHARDKIT_EXIT_WAIT_MAX)" in capsys.readouterr().err
+
+
+def test_a_blank_variable_counts_as_unset(env):
+    env.setenv("WORLD_SIZE", "  ")
+    assert env_world() is None
+
+
+def test_hybrid_mesh_names_a_bad_local_world_size(monkeypatch):
+    from shardkit.spmd import HybridMesh
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE='two' is not an integer"):
+        HybridMesh(ici_mesh_shape=(1,), dcn_mesh_shape=(2,))
+
+
+def test_replica_thread_count_ignores_a_bad_local_world_size(monkeypatch):
+    from shardkit.checkpoint._core._replicas import _cores
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    assert _cores() >= 1

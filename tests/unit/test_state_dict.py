@@ -292,3 +292,18 @@ class _Both:
     def step(self):
         for o in self.optims:
             o.step()
+
+
+def test_unexpected_keys_from_a_load_state_dict_override_are_a_mismatch_error():
+    """A module whose own load_state_dict reports unexpected keys used to trip an assert
+    (gone under -O); it is the package's mismatch error naming the keys."""
+    from shardkit.checkpoint import StateDictMismatchError
+
+    class Picky(nn.Linear):
+        def load_state_dict(self, state_dict, strict=True, assign=False):
+            super().load_state_dict(state_dict, strict=strict, assign=assign)
+            return nn.modules.module._IncompatibleKeys([], ["bias"])
+
+    model = Picky(2, 2)
+    with pytest.raises(StateDictMismatchError, match=r"unexpected keys \['bias'\]"):
+        set_model_state_dict(model, get_model_state_dict(model))

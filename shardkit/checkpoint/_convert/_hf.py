@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 
-from ... import runtime
+from ...runtime._collective import collective_device
 from .._core._errors import CheckpointError
 from .._core._format import Metadata
 from .._core._planner import unwrapped, wrapped_pairs
@@ -155,7 +155,7 @@ def _template_module(config: Any):
         return cls(config), config
 
 
-def hf_template(model: Any = None, config: Any = None) -> HFTemplate:
+def hf_template(*, model: Any = None, config: Any = None) -> HFTemplate:
     """The keys, shapes and tied aliases of ``model`` (or of the model ``config`` names).
 
     ``model`` must be the plain HF model (any device, ``meta`` included), not a wrapper.
@@ -368,7 +368,7 @@ def to_hf(
         raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
     max_bytes = parse_size(max_shard_size)
     metadata, reader = checkpoint_metadata(checkpoint_id)
-    template = hf_template(model, config)
+    template = hf_template(model=model, config=config)
     if template.config is None:
         raise ValueError("pass config=: from_pretrained needs config.json")
     chosen = _pick_prefix(prefix, template, list(metadata.tensors))
@@ -382,9 +382,7 @@ def to_hf(
         if not taken or overwrite:
             fs.makedirs(root, exist_ok=True)
     if world > 1:  # every rank raises alike, so none waits at a barrier for rank 0
-        # NCCL needs the flag on this rank's GPU; gloo takes the CPU
-        on = runtime.device() if dist.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([len(taken)], dtype=torch.int64, device=on)
+        flag = torch.tensor([len(taken)], dtype=torch.int64, device=collective_device())
         dist.broadcast(flag, src=0)
         if flag.item() and not taken:
             taken = ["files seen by rank 0"]
@@ -459,8 +457,7 @@ def _agree(failed_here: bool, rank: int, world: int) -> list[int]:
     must not leave the others waiting at a barrier, nor rank 0 publish the index."""
     if world == 1:
         return [rank] if failed_here else []
-    on = runtime.device() if dist.get_backend() == "nccl" else torch.device("cpu")
-    flags = torch.zeros(world, dtype=torch.int64, device=on)
+    flags = torch.zeros(world, dtype=torch.int64, device=collective_device())
     flags[rank] = int(failed_here)
     dist.all_reduce(flags)
     return [r for r in range(world) if flags[r].item()]

@@ -8,8 +8,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...runtime._collective import collective_device
 from ...runtime._json_gather import all_gather_json
 from ._errors import CheckpointError
+
+
+def world_of_many() -> bool:
+    """Whether a process group of more than one rank is initialized."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class Comm:
@@ -25,16 +31,13 @@ class Comm:
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process_group")
 
-    def _device(self) -> torch.device:
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order."""
         if self.world_size == 1:
             return [json.loads(json.dumps(obj, separators=(",", ":")))]
-        return all_gather_json(obj, self.group, device=self._device(), gather=self._all_gather)
+        return all_gather_json(
+            obj, self.group, device=collective_device(self.group), gather=self._all_gather
+        )
 
     def _all_gather(self, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
         """``dist.all_gather``; a timeout says the likely cause: a save or load that not

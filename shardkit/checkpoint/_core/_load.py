@@ -175,9 +175,7 @@ def _check_value_slots(flat: Flat, metadata: Metadata, planner: LoadPlanner) -> 
             )
 
 
-def _apply_values(
-    reader: StorageReader, flat: Flat, metadata: Metadata, planner: LoadPlanner
-) -> None:
+def _apply_values(reader: StorageReader, flat: Flat, metadata: Metadata) -> None:
     """Set the non-tensor entries (checked by ``_check_value_slots``)."""
     for key, slot in flat.slots.items():
         if key in metadata.values:
@@ -351,7 +349,7 @@ def _read(job: _LoadJob) -> None:
 
 def _apply(job: _LoadJob) -> None:
     """Set the values, swap meta tensors for the loaded ones, load Stateful objects."""
-    _apply_values(job.reader, job.flat, job.metadata, job.planner)
+    _apply_values(job.reader, job.flat, job.metadata)
     for slot, tensor in job.flat.materialized:  # meta tensors: now the loaded ones
         slot.container[slot.index] = tensor
     for obj, inner in job.flat.statefuls:  # post-order in sorted keys: one order on every rank

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ...spmd.layout import Box
+from ._comm import world_of_many
 from ._errors import StateDictMismatchError
 from ._flatten import Flat, TensorLeaf
 from ._format import ChunkMeta, Metadata, dtype_from_name, dtype_name
@@ -518,7 +519,7 @@ def on_rank() -> str:
     """``"rank R: "`` in a multi-rank run, else nothing."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if world_of_many():
         return f"rank {dist.get_rank()}: "
     return ""
 

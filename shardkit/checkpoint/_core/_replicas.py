@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from ...runtime._xla_api import local_process_count
 from ...spmd.layout import Box
 from ._errors import ReplicaMismatchWarning
 from ._flatten import Flat
@@ -67,8 +68,8 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 
 def _cores() -> int:
     try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    except ValueError:
+        local = max(1, local_process_count())
+    except ValueError:  # a thread-count hint: a bad LOCAL_WORLD_SIZE never fails a save
         local = 1
     return max(1, min(8, (os.cpu_count() or 1) // local))
 

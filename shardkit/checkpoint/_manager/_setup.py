@@ -13,10 +13,10 @@ from typing import Any
 import torch.distributed as dist
 
 from ...runtime._groups import private_group
+from ...runtime._json_broadcast import broadcast_json
 from .._core._comm import Comm
 from .._core._errors import CheckpointError
 from .._core._format import METADATA_FILE
-from ._comm import broadcast_json
 from ._run import ensure_run_id
 
 __all__ = ["SetupMethods"]
@@ -93,10 +93,15 @@ class SetupMethods:
         for name, group in (("process_group", process_group),
                             ("async_process_group", async_process_group)):  # fmt: skip
             if group is not None and not isinstance(group, dist.ProcessGroup):
-                raise TypeError(
-                    f"{name} must be a torch.distributed.ProcessGroup or None, got "
-                    f"{group!r}; torch_xla's num_of_threads is keyword-only here: "
+                # torch_xla's 5th positional argument is num_of_threads; here it is this
+                hint = (
+                    "; torch_xla's num_of_threads is keyword-only here: "
                     "CheckpointManager(path, save_interval, num_of_threads=4)"
+                    if name == "process_group" and type(group) is int
+                    else ""
+                )
+                raise TypeError(
+                    f"{name} must be a torch.distributed.ProcessGroup or None, got {group!r}{hint}"
                 )
         if not (dist.is_available() and dist.is_initialized()):
             if process_group is not None or async_process_group is not None:
@@ -174,7 +179,8 @@ class SetupMethods:
                 what_failed = str(exc) if isinstance(exc, CheckpointError) else None
                 what_failed = what_failed or f"{type(exc).__name__}: {exc}"
                 result, cause = {"error": what_failed}, exc
-        result = broadcast_json(result, self._ctrl, len(self._ranks))
+        if self._ctrl is not None and len(self._ranks) > 1:
+            result = broadcast_json(result, self._ctrl)
         if "error" in result:
             raise CheckpointError(f"{what} under {self.path} failed: {result['error']}") from cause
         return result["ok"]

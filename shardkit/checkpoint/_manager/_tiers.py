@@ -26,8 +26,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TIERS = ("local", "peer", "persistent")
-
 
 @dataclass(frozen=True, kw_only=True)
 class LocalTier:

@@ -8,7 +8,6 @@ would keep the buffer alive), and the buffer is dropped before the next one.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,17 +15,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ...runtime._collective import collective_device
+from ...runtime._json_broadcast import broadcast_json
 from ...spmd import ShardedTensor
+from .._core._comm import world_of_many
 from .._core._errors import StateDictMismatchError
 from .._core._format import is_json_value
 from ._values import check_compatible, import_value, is_sharded
 
-__all__ = ["broadcast_from_rank0", "broadcast_items", "compact", "world_of_many"]
-
-
-def world_of_many() -> bool:
-    """Whether a process group of more than one rank is initialized."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+__all__ = ["broadcast_from_rank0", "broadcast_items", "compact"]
 
 
 def dropped_here(opts: Any) -> bool:
@@ -34,24 +31,6 @@ def dropped_here(opts: Any) -> bool:
     ``cpu_offload`` only rank 0 keeps the full state dict, as in torch, so the ranks of a
     host do not each hold a whole CPU copy. Every rank still takes part in the gathers."""
     return opts.full_state_dict and opts.cpu_offload and world_of_many() and dist.get_rank() != 0
-
-
-def _device() -> torch.device:
-    if "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _broadcast_json(obj: Any, device: torch.device) -> Any:
-    """Rank 0's ``obj`` on every rank, as JSON bytes (never pickle)."""
-    raw = json.dumps(obj).encode() if dist.get_rank() == 0 else b""
-    size = torch.tensor([len(raw)], dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        buf.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-    dist.broadcast(buf, 0)
-    return json.loads(bytes(buf.cpu().numpy()))
 
 
 def compact(value: Any) -> Any:
@@ -110,7 +89,7 @@ def broadcast_items(
     Tensors travel one at a time and each goes through ``localize(key, full)`` at once,
     which returns what the rank keeps (its shard), or ``None`` to keep nothing.
     """
-    device = _device()
+    device = collective_device(bulk=True)  # the tensors; the header takes the CPU if it can
     header: Any = None
     items: list[tuple[str, Any]] = []
     failure: Exception | None = None
@@ -120,7 +99,7 @@ def broadcast_items(
             header = {"items": _header(items)}
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the others know
             failure, header = exc, {"error": f"{type(exc).__name__}: {exc}"}
-    header = _broadcast_json(header, device)
+    header = broadcast_json(header)
     if "error" in header:  # every rank raises, none waits for a broadcast
         if failure is not None:
             raise failure

@@ -246,4 +246,9 @@ def _load_plain(root: nn.Module, plain: dict[str, Any], *, assign: bool = False)
     """Copy values through ``load_state_dict`` so module hooks (FSDP2's) run; ``assign``
     replaces meta-device tensors by the values instead of copying into them."""
     result = root.load_state_dict(plain, strict=False, assign=assign)
-    assert not result.unexpected_keys, result.unexpected_keys
+    if result.unexpected_keys:  # plain holds only keys the model lists: an override did it
+        raise StateDictMismatchError(
+            f"{on_rank()}set_model_state_dict: {type(root).__name__}.load_state_dict "
+            f"reported unexpected keys {sorted(result.unexpected_keys)}, which the model's "
+            "own state_dict lists (does the module override load_state_dict?)"
+        )

@@ -11,9 +11,10 @@ from torch import nn
 
 from ... import runtime
 from ...spmd import ShardedTensor
+from .._core._comm import world_of_many
 from .._core._errors import StateDictMismatchError, UsageError
 from .._core._planner import on_rank
-from ._broadcast import broadcast_items, dropped_here, world_of_many
+from ._broadcast import broadcast_items, dropped_here
 from ._fqn import param_fqns, strip_wrappers, under
 from ._model import submodule_prefixes
 from ._options import StateDictOptions, resolve_options

@@ -139,7 +139,7 @@ def partial_cost(placement: Placement, shape: Sequence[int], elsize: int) -> int
         return 0
     mesh = placement.mesh
     group = math.prod(mesh.mesh_shape[a] for a, _ in placement.partial)
-    local = placement.box(shape, (0,) * mesh.ndim).numel * elsize
+    local = placement.box(shape, coord=(0,) * mesh.ndim).numel * elsize
     return (group - 1) * local * mesh.size() // group
 
 
@@ -167,7 +167,7 @@ def _move_cost(shape: tuple, elsize: int, src: Placement, dst: Placement) -> int
     mesh = src.mesh
     for rank in range(mesh.size()):
         coord = mesh.coord_of(rank)
-        s, d = src.box(shape, coord), dst.box(shape, coord)
+        s, d = src.box(shape, coord=coord), dst.box(shape, coord=coord)
         overlap = s.intersect(d)
         have = 0 if overlap is None else overlap.numel
         cost += (d.numel - have) * elsize

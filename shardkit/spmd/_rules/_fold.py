@@ -83,8 +83,8 @@ def try_fold(st: ShardedTensor, out_shape: tuple):
     placement = Placement(mesh, (axes,) + p.spec[k:], p.partial)
     # the chunk layout must give every rank exactly as many rows as it holds
     for coord in mesh_coords(mesh.mesh_shape):
-        held = p.box(in_shape, coord).sizes[:k]
-        if math.prod(held) != placement.box(out_shape, coord).sizes[0]:
+        held = p.box(in_shape, coord=coord).sizes[:k]
+        if math.prod(held) != placement.box(out_shape, coord=coord).sizes[0]:
             return None
     local = st._local_tensor.reshape(placement.box(out_shape).sizes)
     return make(local, placement, out_shape, (tuple(in_shape[:k]), tuple(specs)))

@@ -37,7 +37,7 @@ def _constant_pad(func, args, kwargs):
     return wrap(local, req, tuple(shape))
 
 
-def _index_layout(indices, ndim):
+def _index_layout(indices):
     """(first indexed dim, number of indexed dims), or None when the indexed dims are not
     one adjacent block (torch then moves the result dims to the front)."""
     present = [i for i, t in enumerate(indices) if t is not None]
@@ -46,20 +46,30 @@ def _index_layout(indices, ndim):
     return present[0], len(present)
 
 
-@register_rule(aten.index.Tensor)
-def _index(func, args, kwargs):
-    st, indices = args[0], list(args[1])
-    if not is_st(st):
-        return Declined("only the indexed tensor may be sharded (a sharded index tensor)")
+def _checked_indices(indices):
+    """``(indices, start, count)``: the index tensors as plain tensors (a replicated one as
+    its whole local tensor) and :func:`_index_layout`'s block, or Declined when a rule
+    cannot take them (sharded, not adjacent, or boolean masks)."""
     if any(is_st(t) and not t._placement.is_replicated() for t in indices if t is not None):
         return Declined("sharded index tensors")
     indices = [t._local_tensor if is_st(t) else t for t in indices]  # replicated: the whole tensor
-    layout = _index_layout(indices, st.ndim)
+    layout = _index_layout(indices)
     if layout is None:
         return Declined("indexed dims that are not adjacent")
     if any(t.dtype == torch.bool for t in indices if t is not None):
         return Declined("boolean mask indices (data-dependent shape)")
-    start, count = layout
+    return indices, *layout
+
+
+@register_rule(aten.index.Tensor)
+def _index(func, args, kwargs):
+    st = args[0]
+    if not is_st(st):
+        return Declined("only the indexed tensor may be sharded (a sharded index tensor)")
+    checked = _checked_indices(list(args[1]))
+    if isinstance(checked, Declined):
+        return checked
+    indices, start, count = checked
     p = st._placement
     mesh = p.mesh
     index_shape = torch.broadcast_shapes(*[t.shape for t in indices if t is not None])
@@ -80,7 +90,7 @@ def _index(func, args, kwargs):
                 continue
             trial = list(out_index_spec)
             trial[d] = axes
-            if _local_reads(st, expanded, j, start, d, trial, p, out_shape):
+            if _local_reads(st, expanded, j, start, trial, p, out_shape):
                 chosen = trial
                 break
         if chosen is None:
@@ -110,9 +120,9 @@ def _sums(p: Placement) -> bool:
     return all(op == "sum" for _, op in p.partial)
 
 
-def _local_reads(st, expanded, j, start, d, trial_index_spec, p, out_shape) -> bool:
-    """Whether, with the result's index dim ``d`` sharded as in ``trial_index_spec``,
-    every rank reads along ``st``'s dim ``j`` only the rows it holds."""
+def _local_reads(st, expanded, j, start, trial_index_spec, p, out_shape) -> bool:
+    """Whether, with the result's index dims sharded as in ``trial_index_spec``, every
+    rank reads along ``st``'s dim ``j`` only the rows it holds."""
     mesh = p.mesh
     nb = len(trial_index_spec)
     out_spec = (
@@ -121,9 +131,9 @@ def _local_reads(st, expanded, j, start, d, trial_index_spec, p, out_shape) -> b
     out = Placement(mesh, out_spec)
     for rank in range(mesh.size()):
         coord = mesh.coord_of(rank)
-        sl = out.box(out_shape, coord).slices()[start : start + nb]
+        sl = out.box(out_shape, coord=coord).slices()[start : start + nb]
         values = expanded[j][sl]
-        held = p.box(st.shape, coord)
+        held = p.box(st.shape, coord=coord)
         lo, hi = held.offsets[j], held.offsets[j] + held.sizes[j]
         if values.numel() and (int(values.min()) < lo or int(values.max()) >= hi):
             return False
@@ -161,15 +171,10 @@ def _index_put(func, args, kwargs):
     inplace = func in (aten.index_put_.default, aten._index_put_impl_.default)
     if inplace and not is_st(st):
         return Declined("writing sharded values into a plain tensor in place")
-    if any(is_st(t) and not t._placement.is_replicated() for t in indices if t is not None):
-        return Declined("sharded index tensors")
-    indices = [t._local_tensor if is_st(t) else t for t in indices]
-    layout = _index_layout(indices, st.ndim)
-    if layout is None:
-        return Declined("indexed dims that are not adjacent")
-    if any(t.dtype == torch.bool for t in indices if t is not None):
-        return Declined("boolean mask indices (data-dependent shape)")
-    start, count = layout
+    checked = _checked_indices(indices)
+    if isinstance(checked, Declined):
+        return checked
+    indices, start, count = checked
     mesh = next(x for x in (st, values) if is_st(x))._placement.mesh
     index_shape = tuple(torch.broadcast_shapes(*[t.shape for t in indices if t is not None]))
     nb = len(index_shape)

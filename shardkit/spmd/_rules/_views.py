@@ -176,7 +176,7 @@ def _expand(func, args, kwargs):
     return wrap(local, out_p, out_shape)
 
 
-def _permuted(func, st, order):
+def _permuted(st, order):
     p = st._placement
     spec = tuple(p.spec[d] for d in order)
     shape = tuple(st.shape[d] for d in order)
@@ -187,7 +187,7 @@ def _permuted(func, st, order):
 def _permute(func, args, kwargs):
     st = args[0]
     order = [norm_dim(d, st.ndim) for d in args[1]]
-    out, shape = _permuted(func, st, order)
+    out, shape = _permuted(st, order)
     return wrap(st._local_tensor.permute(order), out, shape, _permuted_strides(st, order))
 
 
@@ -195,7 +195,7 @@ def _permute(func, args, kwargs):
 def _transpose(func, args, kwargs):
     st = args[0]
     order = _transpose_order(func, st, args[1:])
-    out, shape = _permuted(func, st, order)
+    out, shape = _permuted(st, order)
     return wrap(st._local_tensor.permute(order), out, shape, _permuted_strides(st, order))
 
 
