@@ -34,14 +34,15 @@ _DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _spmd_enabled = False
 
 
-def _env_int(*names: str) -> int | None:
-    """The first of ``names`` set in the environment (blank counts as unset), as an int;
-    None when none is set. Raises ValueError naming the variable when it is no integer."""
+def _env_named(*names: str) -> tuple[str, int] | None:
+    """``(name, value)`` of the first of ``names`` set in the environment (blank counts
+    as unset), the value as an int; None when none is set. Raises ValueError naming the
+    variable when it is no integer."""
     for name in names:
         value = os.environ.get(name, "")
         if value.strip():
             try:
-                return int(value)
+                return name, int(value)
             except ValueError:
                 raise ValueError(
                     f"environment variable {name}={value!r} is not an integer"
@@ -49,26 +50,42 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
+def _env_int(*names: str) -> int | None:
+    """The int value of the first of ``names`` set (see :func:`_env_named`), or None."""
+    found = _env_named(*names)
+    return None if found is None else found[1]
+
+
 def env_world() -> tuple[int, int] | None:
     """(rank, world size) the environment describes, or None for a world of one.
 
     Raises ValueError when the environment describes a larger world incompletely, so a
-    misconfigured launch never silently runs as a world of one.
+    misconfigured launch never silently runs as a world of one. Messages name the
+    variables actually read (torchrun's, or SLURM's).
     """
-    size = _env_int("WORLD_SIZE", "SLURM_NTASKS")
-    if size is None or size == 1:
+    found = _env_named("WORLD_SIZE", "SLURM_NTASKS")
+    if found is None or found[1] == 1:
         return None
+    size_name, size = found
+    slurm = size_name == "SLURM_NTASKS"
+    launcher = "srun, with the job's task count" if slurm else "torchrun"
     if size < 1:
-        raise ValueError(f"WORLD_SIZE={size} must be at least 1")
-    rank = _env_int("RANK", "SLURM_PROCID")
-    if rank is None:
-        raise ValueError(f"WORLD_SIZE={size} is set but RANK is not; launch with torchrun")
+        raise ValueError(f"{size_name}={size} must be at least 1")
+    rank_found = _env_named("RANK", "SLURM_PROCID")
+    if rank_found is None:
+        rank_name = "SLURM_PROCID" if slurm else "RANK"
+        raise ValueError(
+            f"{size_name}={size} is set but {rank_name} is not; launch with {launcher}"
+        )
+    rank_name, rank = rank_found
     if not 0 <= rank < size:
-        raise ValueError(f"RANK={rank} is outside the world of {size} (0..{size - 1})")
+        raise ValueError(
+            f"{rank_name}={rank} is outside the world of {size} ({size_name}; 0..{size - 1})"
+        )
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
             raise ValueError(
-                f"WORLD_SIZE={size} is set but {name} is not; launch with torchrun "
+                f"{size_name}={size} is set but {name} is not; launch with torchrun "
                 f"(or export {name} under SLURM)"
             )
     return rank, size

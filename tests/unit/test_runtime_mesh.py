@@ -37,6 +37,20 @@ def test_init_reports_missing_rank(no_world, monkeypatch):
         xr.init()
 
 
+def test_an_incomplete_slurm_environment_names_slurms_variables(no_world, monkeypatch):
+    """Under SLURM the message named WORLD_SIZE and RANK, which nobody had set."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    with pytest.raises(ValueError, match=r"SLURM_NTASKS=2 is set but SLURM_PROCID is not"):
+        xr.init()
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    with pytest.raises(ValueError, match=r"SLURM_PROCID=5 is outside the world of 2"):
+        xr.init()
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    with pytest.raises(ValueError, match=r"SLURM_NTASKS=2 is set but MASTER_ADDR is not"):
+        xr.init()
+
+
 def test_mesh_shape_is_ordered(no_world):
     mesh = xs.Mesh([0], (1, 1), ("data", "model"))
     assert list(mesh.shape().items()) == [("data", 1), ("model", 1)]
