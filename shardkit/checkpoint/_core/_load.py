@@ -242,12 +242,20 @@ def load(
     if comm.world_size == 1:
         load_with_metadata(state_dict, reader, _metadata(reader), planner=planner, strict=strict)
         return
-    job, error = None, None
+    job, error, save_id = None, None, None
     try:
-        job = _plan_load(state_dict, reader, _metadata(reader), planner, strict)
+        metadata = _metadata(reader)
+        save_id = metadata.save_id
+        job = _plan_load(state_dict, reader, metadata, planner, strict)
     except Exception as exc:
         error = exc
-    comm.agree(error, "checking the checkpoint against the state dict")
+    save_ids = comm.agree(error, "checking the checkpoint against the state dict", save_id)
+    if len(set(save_ids)) > 1:  # every rank sees the same list, so all raise alike
+        raise ValueError(
+            f"the ranks are loading different checkpoints (save ids by rank: {save_ids}); "
+            f"this rank read {reader!r}. Every rank must load the same checkpoint, or "
+            "pass no_dist=True to load one on a rank alone"
+        )
     try:
         _read(job)
     except Exception as exc:

@@ -230,17 +230,10 @@ class DefaultSavePlanner(SavePlanner):
         )
 
     def create_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        first = first_items(plans)
         holders: dict[tuple[str, Box], list[int]] = {}
-        first: dict[str, tuple[int, WriteItem]] = {}
         for rank, plan in enumerate(plans):
             for item in plan.items:
-                seen = first.setdefault(item.key, (rank, item))
-                if (seen[1].shape, seen[1].dtype) != (item.shape, item.dtype):
-                    raise ValueError(
-                        f"key {item.key!r} is {seen[1].dtype} {list(seen[1].shape)} on rank "
-                        f"{seen[0]} but {item.dtype} {list(item.shape)} on rank {rank}; every "
-                        "rank must save the same global tensor under one key"
-                    )
                 holders.setdefault((item.key, item.box), []).append(rank)
         covered: dict[str, int] = {}
         for key, box in holders:
@@ -279,6 +272,22 @@ class DefaultSavePlanner(SavePlanner):
     def resolve_data(self, item: WriteItem) -> torch.Tensor:
         assert self.flat is not None
         return _region(self.flat.tensors[item.key], item.box)
+
+
+def first_items(plans: list[SavePlan]) -> dict[str, tuple[int, WriteItem]]:
+    """Each key's first ``(rank, item)``, after checking that every rank gives the key the
+    same global shape and dtype (ValueError naming both ranks otherwise)."""
+    first: dict[str, tuple[int, WriteItem]] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            seen = first.setdefault(item.key, (rank, item))
+            if (seen[1].shape, seen[1].dtype) != (item.shape, item.dtype):
+                raise ValueError(
+                    f"key {item.key!r} is {seen[1].dtype} {list(seen[1].shape)} on rank "
+                    f"{seen[0]} but {item.dtype} {list(item.shape)} on rank {rank}; every "
+                    "rank must save the same global tensor under one key"
+                )
+    return first
 
 
 def _refuse_overlaps(holders: dict[tuple[str, Box], list[int]]) -> None:

@@ -18,6 +18,7 @@ in a collective the save runs anyway:
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -32,7 +33,7 @@ from ...runtime._xla_api import local_process_count
 from ...spmd.layout import Box
 from ._errors import ReplicaMismatchWarning
 from ._flatten import Flat
-from ._format import block_rows_for, row_bytes
+from ._format import block_rows_for, encode_value, row_bytes
 from ._planner import SavePlan, WriteItem
 
 __all__ = [
@@ -329,6 +330,42 @@ def warn_mismatches(
             f"{more}. Each is saved whole from one rank's copy. Make the copies "
             "equal (broadcast or all-reduce them), or save per-rank shards as a "
             "ShardedTensor/DTensor with their global offsets",
+            ReplicaMismatchWarning,
+            stacklevel=5,
+        )
+    except ReplicaMismatchWarning as exc:
+        return exc
+    return None
+
+
+# -- plain values (JSON) -------------------------------------------------------------------
+def value_digests(values: dict) -> dict[str, str]:
+    """A short digest of each plain value (``step``, a scheduler's milestones...), so the
+    ranks can tell when their copies differ: the checkpoint keeps one rank's."""
+    return {
+        key: xxhash.xxh3_64_hexdigest(json.dumps(encode_value(value), sort_keys=True).encode())[:8]
+        for key, value in values.items()
+    }
+
+
+def warn_value_mismatches(digests: list[dict[str, str]]) -> BaseException | None:
+    """Warn (on every rank: ``digests`` is every rank's) about plain values some rank holds
+    differently from rank 0, whose value the checkpoint keeps. As :func:`warn_mismatches`,
+    a warning the caller's filters turn into an error is returned."""
+    differ = {
+        key: [rank for rank, theirs in enumerate(digests) if theirs.get(key, digest) != digest]
+        for key, digest in digests[0].items()
+    }
+    differ = {key: ranks for key, ranks in differ.items() if ranks}
+    if not differ:
+        return None
+    shown = "; ".join(f"{key!r}: ranks {ranks}" for key, ranks in list(differ.items())[:5])
+    more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+    try:
+        warnings.warn(
+            f"{len(differ)} plain value(s) differ from rank 0's: {shown}{more}. The "
+            "checkpoint keeps rank 0's value of each; give every rank the same value, or "
+            "save per-rank values under per-rank keys",
             ReplicaMismatchWarning,
             stacklevel=5,
         )

@@ -27,6 +27,7 @@ from ._file_plan import max_file_bytes
 from ._file_plan import tensor_name as _tensor_name
 from ._flatten import Flat, flatten
 from ._format import (
+    METADATA_FILE,
     Metadata,
     block_rows_for,
     dtype_name,
@@ -35,7 +36,7 @@ from ._format import (
     safetensors_header,
 )
 from ._fs_rules import refuse_per_process
-from ._planner import DefaultSavePlanner, SavePlan, SavePlanner, WriteItem
+from ._planner import DefaultSavePlanner, SavePlan, SavePlanner, WriteItem, first_items
 from ._replicas import (
     ReplicaPlan,
     Shadows,
@@ -46,7 +47,9 @@ from ._replicas import (
     plan_replicas,
     replica_digests,
     replica_mismatches,
+    value_digests,
     warn_mismatches,
+    warn_value_mismatches,
 )
 from ._save_metadata import build_metadata, entries
 from ._storage import FileSystemWriter, StorageWriter, resolve_storage
@@ -173,6 +176,8 @@ def prepare(
             repr(sorted(entries(flat.values))).encode()
         )
         payload["object_keys"] = sorted(flat.objects)
+        if comm.world_size > 1 and replicas != "off":
+            payload["value_digests"] = value_digests(flat.values)
         if comm.world_size > 1 and replicas == "before":
             payload["replicas"] = replica_digests(flat)
         if comm.rank == 0:
@@ -184,6 +189,7 @@ def prepare(
         error = exc
     replies = comm.agree(error, "planning the save", payload)
     plans = [SavePlan.from_json(r["plan"]) for r in replies]
+    first_items(plans)  # shapes / dtypes that differ per rank: before copies are dropped
     mismatched = replica_mismatches([r.get("replicas", {}) for r in replies])
     keep_one_copy(plans, mismatched)
     save_id = replies[0]["save_id"]
@@ -196,6 +202,8 @@ def prepare(
         job.object_keys = [k for k in flat.objects if k not in lower]
     keepers = {k: {min(r for g in v for r in g)} for k, v in mismatched.items()}
     job.error = warn_mismatches(mismatched, keepers)
+    if "value_digests" in replies[0]:
+        job.error = warn_value_mismatches([r["value_digests"] for r in replies]) or job.error
     job.file_cap = file_cap
     job.thread_count = thread_count
     job.items = _cap_items(global_plans[comm.rank].items, file_cap)
@@ -355,14 +363,50 @@ def write_and_commit(job: SaveJob, writer: StorageWriter, comm: Comm, data: Call
     if job.is_coordinator:
         encoded = metadata.to_json()
         try:
+            _refuse_unseen_files(writer, replies)
             writer.commit(encoded)
         except Exception as exc:
             error = exc
             _discard_uncommitted(writer, job, replies, encoded)
-    comm.agree(error, "committing the checkpoint metadata")
+    try:
+        comm.agree(error, "committing the checkpoint metadata")
+    except BaseException:
+        if not job.is_coordinator:  # rank 0 removed what it sees; files it cannot see
+            _discard_unseen(writer, job)
+        raise
     if job.is_coordinator:
         remove_superseded(writer, metadata, job.started)
     return metadata
+
+
+def _refuse_unseen_files(writer: StorageWriter, replies: list[dict]) -> None:
+    """Coordinator, before the commit: every file the ranks wrote is in its directory.
+
+    Ranks given different ``checkpoint_id``s (a per-rank timestamp in the path), or a
+    path on storage the coordinator does not share, would otherwise commit metadata
+    naming files elsewhere; the load would then report them missing, as if damaged.
+    One listing of the directory.
+    """
+    if not isinstance(writer, FileSystemWriter):
+        return
+    written = {name: rank for rank, reply in enumerate(replies) for name in reply["files"]}
+    if not written:
+        return
+    if not writer.local:  # a listing cached before the ranks wrote would miss their files
+        writer.fs.invalidate_cache(writer.root)
+    present = set(writer.list_files())
+    unseen: dict[int, list[str]] = {}
+    for name, rank in written.items():
+        if name not in present:
+            unseen.setdefault(rank, []).append(name)
+    if unseen:
+        shown = "; ".join(f"rank {r}: {names[:2]}" for r, names in sorted(unseen.items()))
+        raise CheckpointError(
+            f"files the ranks wrote are not in {writer.url} as rank 0 sees it ({shown}): "
+            "the ranks were given different checkpoint_id paths, or the path is on storage "
+            "rank 0 does not share. Give every rank the same path on shared storage; "
+            "nothing was committed"
+        )
 
 
 def _settle_replicas(
@@ -437,6 +481,23 @@ def _discard_uncommitted(
         return
     job.files = [(name, []) for reply in replies for name in reply["files"]]
     _discard(writer, job)
+
+
+def _discard_unseen(writer: StorageWriter, job: SaveJob) -> None:
+    """Another rank after rank 0's commit failed: this rank's files go too, unless its
+    directory holds this save's metadata (rank 0's commit landed there after all, or that
+    cannot be told). Where rank 0 shares the directory they are gone already; where it
+    does not (a path that differs per rank), nobody else would remove them."""
+    if not isinstance(writer, FileSystemWriter):
+        return
+    try:
+        raw = writer.fs.cat_file(writer.join(METADATA_FILE))
+    except FileNotFoundError:
+        raw = b""
+    except Exception:
+        return
+    if job.save_id.encode() not in raw:
+        _remove_own_files(writer, job)
 
 
 def _remove_own_files(writer: StorageWriter, job: SaveJob) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from .._core._errors import CheckpointError, CorruptCheckpointError
+from ._comm import flags_and_ranges
 
 __all__ = ["RestoreMethods"]
 
@@ -23,6 +24,13 @@ class RestoreMethods:
         """
         self._check_open()
         step = self._check_step(step)
+        _, ((lo, hi),) = flags_and_ranges([], [step], self._ctrl, len(self._ranks))
+        if lo != hi:  # each rank would load another step: a model of mixed steps
+            raise ValueError(
+                f"the ranks passed steps from {lo} to {hi} to restore() under {self.path}; "
+                f"every rank must restore the same step (this rank: step {step}). "
+                "Nothing restored"
+            )
         # No retention pass may delete the step while it is read.
         self._wait_in_flight(0)
         self._wait_retention()
