@@ -41,9 +41,11 @@ class CollectiveCounts:
     fallbacks: Counter = field(default_factory=Counter)
 
     def total_calls(self, kind: str | None = None) -> int:
+        """Collective calls counted, of one ``kind`` (e.g. ``"all_gather"``) or all."""
         return sum(n for (k, _), n in self.calls.items() if kind in (None, k))
 
     def total_bytes(self, kind: str | None = None) -> int:
+        """Bytes this rank sent through collectives, of one ``kind`` or all."""
         return sum(n for (k, _), n in self.bytes.items() if kind in (None, k))
 
 

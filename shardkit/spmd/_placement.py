@@ -39,6 +39,7 @@ class Placement:
 
     @classmethod
     def from_user(cls, mesh: Mesh, spec: PartitionSpec, ndim: int) -> Placement:
+        """The placement of a user partition spec (axis names, ``None``, tuples) on ``mesh``."""
         if not isinstance(mesh, Mesh):  # a name or a torch DeviceMesh: an AttributeError
             raise TypeError(
                 f"mesh must be a shardkit.spmd.Mesh, got {type(mesh).__name__} {mesh!r:.80}; "
@@ -48,19 +49,24 @@ class Placement:
 
     @classmethod
     def replicated(cls, mesh: Mesh, ndim: int) -> Placement:
+        """Every dim whole on every rank of ``mesh``."""
         return cls(mesh, ((),) * ndim)
 
     @property
     def user_spec(self) -> tuple:
+        """The spec in user form: axis names (or indices), ``None`` and tuples."""
         return spec_to_user(self.spec, self.mesh.axis_labels)
 
     def is_replicated(self) -> bool:
+        """Whether every rank holds the whole tensor (no dim sharded, nothing pending)."""
         return self._replicated
 
     def without_partial(self) -> Placement:
+        """The same layout with no pending sum over any mesh axis."""
         return Placement(self.mesh, self.spec)
 
     def with_spec(self, spec: NormalizedSpec) -> Placement:
+        """The same mesh and pending sums, laid out by the normalized ``spec``."""
         return Placement(self.mesh, spec, self.partial)
 
     def box(self, global_shape: Sequence[int], *, coord: Sequence[int] | None = None) -> Box:
@@ -69,4 +75,5 @@ class Placement:
         return shard_box(global_shape, self.spec, self.mesh.mesh_shape, coord)
 
     def box_of_rank(self, global_shape: Sequence[int], rank: int) -> Box:
+        """The box global rank ``rank`` holds of a tensor of ``global_shape``."""
         return self.box(global_shape, coord=self.mesh.coord_of(rank))

@@ -177,6 +177,7 @@ class ShardedTensor(torch.Tensor):
     # -- accessors -------------------------------------------------------------
     @property
     def mesh(self) -> Mesh:
+        """The mesh the tensor is laid out on."""
         return self._placement.mesh
 
     @property
@@ -186,6 +187,7 @@ class ShardedTensor(torch.Tensor):
 
     @property
     def placement(self) -> Placement:
+        """How the tensor is laid out: mesh, normalized spec and pending sums."""
         return self._placement
 
     @property

@@ -58,17 +58,21 @@ class Box:
 
     @property
     def ndim(self) -> int:
+        """Number of tensor dims."""
         return len(self.sizes)
 
     @property
     def numel(self) -> int:
+        """Number of elements in the box."""
         return math.prod(self.sizes)
 
     @property
     def ends(self) -> tuple[int, ...]:
+        """Exclusive end of the box along each dim (offsets + sizes)."""
         return tuple(o + s for o, s in zip(self.offsets, self.sizes))
 
     def is_empty(self) -> bool:
+        """Whether the box holds no element (a rank past the end of an uneven split)."""
         return self.numel == 0
 
     def intersect(self, other: Box) -> Box | None:

@@ -27,9 +27,13 @@ class Stateful(Protocol):
     ``torch.nn.Module`` and ``torch.optim.Optimizer`` qualify as they are.
     """
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The object's state, saved as a nested state dict."""
+        ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any:
+        """Restore the object from what :meth:`state_dict` returned (loaded in place)."""
+        ...
 
 
 @dataclass

@@ -48,14 +48,17 @@ class WriteItem:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the box in the tensor's dtype."""
         return self.box.numel * self.dtype.itemsize
 
     def to_json(self) -> list:
+        """``[key, offsets, sizes, shape, dtype name]``: what ranks exchange while planning."""
         return [self.key, list(self.box.offsets), list(self.box.sizes), list(self.shape),
                 dtype_name(self.dtype, self.key)]  # fmt: skip
 
     @classmethod
     def from_json(cls, doc: list) -> WriteItem:
+        """The item :meth:`to_json` described."""
         key, offsets, sizes, shape, dtype = doc
         return cls(
             key, Box(tuple(offsets), tuple(sizes)), tuple(shape), dtype_from_name(dtype, key)
@@ -79,10 +82,12 @@ class SavePlan:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict:
+        """The plan as JSON (the ranks exchange plans as JSON, never pickles)."""
         return {"items": [i.to_json() for i in self.items], "extra": self.extra}
 
     @classmethod
     def from_json(cls, doc: dict) -> SavePlan:
+        """The plan :meth:`to_json` described."""
         return cls([WriteItem.from_json(i) for i in doc["items"]], doc.get("extra", {}))
 
 

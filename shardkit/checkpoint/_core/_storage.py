@@ -499,6 +499,7 @@ class FileSystemReader(_FileSystem):
         self.thread_count = _check_threads(thread_count)
 
     def read_metadata(self) -> bytes:
+        """The metadata file's bytes, at most one past the allowed size (checked later)."""
         from ._validate import MAX_METADATA_BYTES
 
         limit = MAX_METADATA_BYTES + 1  # one byte more than allowed: the parser refuses it
@@ -518,6 +519,7 @@ class FileSystemReader(_FileSystem):
         return self.fs.cat_file(path)
 
     def file_size(self, name: str) -> int:
+        """Size of data file ``name``; a symlink or non-regular file is refused."""
         if self.local and name in self._links:
             fd = self.open_local(name)  # no symlinked sibling, regular file only
             try:
@@ -537,6 +539,7 @@ class FileSystemReader(_FileSystem):
         return int(self.fs.size(self.join(name)))
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``name`` from ``offset``; EOFError if it ends early."""
         out = memoryview(out).cast("B")
         if offset < 0:  # fsspec would read from the end
             raise EOFError(f"{name}: negative offset {offset}")
