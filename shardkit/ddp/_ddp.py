@@ -21,7 +21,7 @@ from ..runtime._json_gather import all_gather_json
 from ._errors import CommHookError, ModelMismatchError, NothingToTrainError
 from ._grad_bucket import GradBucket
 from ._join import DDPJoinHook, exchange
-from ._reducer import Reducer
+from ._reducer import Reducer, assign_buckets
 from .comm_hooks import _comm
 
 __all__ = ["DistributedDataParallel"]
@@ -55,8 +55,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         static_graph: the forward uses the same parameters every iteration; accepted as
             in torch (parameters a forward leaves out are handled as with
             ``find_unused_parameters=True``).
-        init_sync: check the ranks' parameter shapes and broadcast rank 0's parameters
-            and buffers at construction (torch's default); ``False`` skips both.
+        init_sync: check that the ranks agree on the parameters (names, order, shapes,
+            dtypes, requires_grad) and on the buckets ``bucket_cap_mb`` cuts them into,
+            and broadcast rank 0's parameters and buffers at construction (torch's
+            default); ``False`` skips both.
             Parameters and buffers named in ``module._ddp_params_and_buffers_to_ignore``
             (see :meth:`_set_params_and_buffers_to_ignore_for_model`) are never
             broadcast or averaged.
@@ -259,20 +261,42 @@ class DistributedDataParallel(nn.Module, Joinable):
         return []
 
     def _verify_same_parameters(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Every rank must hold the same parameter shapes, or buckets would mismatch."""
+        """Every rank must hold the same parameters (names, order, shapes, dtypes) and
+        cut them into the same gradient buckets, or the averages would mix different
+        parameters or the bucket all-reduces would not match. One all-reduce of a few
+        int64s, as before the names and buckets joined the signature."""
         params = [p for _, p in named]
+        every = self._named_params()  # frozen ones too: the broadcast covers them
         signature = [len(params), sum(p.numel() for p in params)]
-        shapes = repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode()
-        signature.append(zlib.crc32(shapes))  # not hash(): str hashes differ per process
+        shapes = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in every])
+        signature.append(zlib.crc32(shapes.encode()))  # not hash(): differs per process
+        buckets = assign_buckets(params, cap_bytes=self.bucket_bytes_cap)
+        signature.append(zlib.crc32(repr(buckets).encode()))
         dev = params[0].device
         both = torch.tensor(signature + [-s for s in signature], dtype=torch.int64, device=dev)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
-        highest, lowest = both[:3].tolist(), [-v for v in both[3:].tolist()]
+        n = len(signature)
+        highest, lowest = both[:n].tolist(), [-v for v in both[n:].tolist()]
         if highest != lowest:  # every rank sees it: one more exchange names the difference
+            params_differ, what = _first_difference(
+                every, self.bucket_cap_mb, self.process_group, dev
+            )
+            if params_differ:
+                raise ModelMismatchError(
+                    f"DistributedDataParallel: ranks hold different parameters: {what}; "
+                    "build the same model on every rank before wrapping it"
+                )
+            if what is not None:
+                raise ValueError(
+                    f"DistributedDataParallel: bucket_cap_mb differs between the ranks "
+                    f"({what}), so they would cut the gradients into different buckets and "
+                    "their all-reduces would not match; pass the same bucket_cap_mb on "
+                    "every rank"
+                )
             raise ModelMismatchError(
-                "DistributedDataParallel: ranks hold different parameters: "
-                f"{_first_difference(named, self.process_group, dev)}; build the same model "
-                "on every rank before wrapping it"
+                "DistributedDataParallel: the ranks group the same parameters into "
+                "different gradient buckets (are some parameters on another device on "
+                "one rank only?); put the model on one device per rank before wrapping it"
             )
 
     @torch.no_grad()
@@ -475,18 +499,31 @@ def _refuse_sharded(module: nn.Module) -> None:
             )
 
 
-def _first_difference(named: list[tuple[str, torch.Tensor]], group, device) -> str:
-    """The first parameter whose name, shape or dtype differs between the ranks, or the
-    counts by rank (a JSON all-gather: nothing is unpickled)."""
-    mine = [[name, list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in named]
-    every = all_gather_json(mine, group, device=device)
-    for index in range(min(len(params) for params in every)):
-        entries = [params[index] for params in every]
+def _first_difference(
+    named: list[tuple[str, torch.Tensor]], bucket_cap_mb: float, group, device
+) -> tuple[bool, str | None]:
+    """(True, the first parameter whose name, shape, dtype or requires_grad differs
+    between the ranks, or the counts by rank); else (False, every rank's
+    ``bucket_cap_mb`` where they differ, or None). A JSON all-gather: nothing is
+    unpickled."""
+    mine = [
+        [name, list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad]
+        for name, p in named
+    ]
+    every = all_gather_json({"params": mine, "cap": bucket_cap_mb}, group, device=device)
+    lists = [entry["params"] for entry in every]
+    for index in range(min(len(params) for params in lists)):
+        entries = [params[index] for params in lists]
         if any(entry != entries[0] for entry in entries):
             by_rank = ", ".join(
-                f"rank {r}: {name} {tuple(shape)} {dtype}"
-                for r, (name, shape, dtype) in enumerate(entries)
+                f"rank {r}: {name} {tuple(shape)} {dtype}{'' if grad else ' frozen'}"
+                for r, (name, shape, dtype, grad) in enumerate(entries)
             )
-            return f"parameter {index} differs ({by_rank})"
-    counts = ", ".join(f"rank {r}: {len(params)}" for r, params in enumerate(every))
-    return f"the number of parameters that require grad differs ({counts})"
+            return True, f"parameter {index} differs ({by_rank})"
+    if any(len(params) != len(lists[0]) for params in lists):
+        counts = ", ".join(f"rank {r}: {len(params)}" for r, params in enumerate(lists))
+        return True, f"the number of parameters differs ({counts})"
+    caps = [entry["cap"] for entry in every]
+    if any(cap != caps[0] for cap in caps):
+        return False, ", ".join(f"rank {r}: {cap}" for r, cap in enumerate(caps))
+    return False, None

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import warnings
+import zlib
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._errors import FSDPUsageError
+from .. import runtime
+from ..runtime._json_gather import all_gather_json
+from ._errors import FSDPUsageError, ModelMismatchError
 from ._layout import SlotLayout
 from ._options import FSDPOptions
 from ._unit import ManagedParam
 
-__all__ = ["own_modules", "own_named", "prepare_buffers", "shard_parameters"]
+__all__ = [
+    "own_modules",
+    "own_named",
+    "prepare_buffers",
+    "shard_parameters",
+    "verify_same_parameters",
+]
 
 
 def _is_unit(module: nn.Module) -> bool:
@@ -42,6 +52,124 @@ def own_named(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
                 yield from visit(child, f"{prefix}{name}.")
 
     yield from visit(root, "")
+
+
+def _signature(root: nn.Module) -> list[list]:
+    """[fqn, shape, dtype, requires_grad] of every parameter the unit owns (every path to
+    a tied one), in registration order; nested units' parameters are theirs."""
+    out = []
+    for prefix, mod in own_named(root):
+        for name, p in mod._parameters.items():
+            if p is not None:
+                dtype = str(p.dtype).removeprefix("torch.")
+                out.append([prefix + name, list(p.shape), dtype, bool(p.requires_grad)])
+    return out
+
+
+def _exchange_device(root: nn.Module, group) -> torch.device:
+    """Where the check's tensors live: the CPU on gloo (also a mixed ``cpu:gloo,...``
+    group), this rank's GPU on nccl (rank 0's parameters may sit on the CPU while the
+    others' are on the meta device), else the parameters' device."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return runtime.device()
+    for p in root.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return runtime.device()
+
+
+def verify_same_parameters(root: nn.Module, group, world: int, *, values: bool) -> None:
+    """Raise :class:`ModelMismatchError` on every rank unless every rank's ``root`` holds
+    the same parameters: names, registration order, shapes, dtypes and requires_grad.
+
+    Without it a different order or an unseeded extra layer shards silently wrong (each
+    rank keeps its rows of a different tensor) and other differences abort the process
+    in gloo. With ``values`` (no ``sync_module_states``) a fingerprint of the values
+    (each parameter's first and last element) rides along and a difference warns: each
+    rank keeps its own rows, so the model mixes the ranks' inits. Cost: crc32s and one
+    all-reduce of four int64s; the names of a difference are gathered (JSON) only when
+    there is one.
+    """
+    if world <= 1:
+        return
+    mine = [type(root).__name__, _signature(root)]
+    crc = zlib.crc32(repr(mine).encode())  # not hash(): str hashes differ per process
+    fingerprint = _value_fingerprint(root) if values else 0
+    device = _exchange_device(root, group)
+    both = torch.tensor([crc, -crc, fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    highest, minus_lowest, values_high, values_minus_low = both.tolist()
+    if highest != -minus_lowest:
+        every = all_gather_json(mine, group, device=device)  # only on a mismatch
+        raise ModelMismatchError(
+            f"FSDP: the ranks wrap different parameters: {_first_difference(every)}; build "
+            "the same model on every rank (same layers, registration order, shapes, dtypes "
+            "and requires_grad) before wrapping it"
+        )
+    if values_high != -values_minus_low:
+        warnings.warn(
+            f"FSDP: the ranks' {type(root).__name__} parameters hold different values and "
+            "sync_module_states=False, so each rank keeps its rows of its own tensors and "
+            "the sharded model mixes the ranks' initializations. Seed every rank "
+            "identically, or pass sync_module_states=True (broadcasts rank 0's); ignore "
+            "this if a checkpoint is loaded after wrapping",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _value_fingerprint(root: nn.Module) -> int:
+    """crc32 of each parameter's first and last element (meta ones left out): different
+    random inits differ there, and reading them costs one small copy per dtype."""
+    ends: dict[torch.dtype, list[torch.Tensor]] = {}
+    for _, mod in own_named(root):
+        for p in mod._parameters.values():
+            if p is not None and p.numel() and p.device.type != "meta":
+                t = p.detach()  # indexing makes views: no copy of a non-contiguous one
+                first, last = t[(0,) * t.dim()], t[(-1,) * t.dim()]
+                ends.setdefault(p.dtype, []).extend((first.reshape(1), last.reshape(1)))
+    crc = 0
+    for dtype in sorted(ends, key=str):
+        joined = torch.cat(ends[dtype]).cpu()
+        crc = zlib.crc32(joined.view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def _first_difference(every: list) -> str:
+    """The first parameter that differs between the ranks' signatures, by rank."""
+
+    def show(entry: list) -> str:
+        fqn, shape, dtype, grad = entry
+        return f"{fqn} {tuple(shape)} {dtype}{'' if grad else ' frozen'}"
+
+    classes = [cls for cls, _ in every]
+    lists = [params for _, params in every]
+    if any(cls != classes[0] for cls in classes):
+        by_rank = ", ".join(
+            f"rank {r}: {cls} with {len(params)} parameters"
+            for r, (cls, params) in enumerate(every)
+        )
+        where = f"the wrapped modules differ ({by_rank})"
+    else:
+        where = f"in {classes[0]}"
+    for index in range(min(len(params) for params in lists)):
+        entries = [params[index] for params in lists]
+        if any(entry != entries[0] for entry in entries):
+            by_rank = ", ".join(f"rank {r}: {show(e)}" for r, e in enumerate(entries))
+            return f"{where}, parameter {index} differs ({by_rank})"
+    if any(len(params) != len(lists[0]) for params in lists):
+        shortest = min(len(params) for params in lists)
+        extra = [
+            f"rank {r}: {len(params)} ({', '.join(show(e) for e in params[shortest:][:3])})"
+            if len(params) > shortest
+            else f"rank {r}: {len(params)}"
+            for r, params in enumerate(lists)
+        ]
+        return f"{where}, the number of parameters differs ({', '.join(extra)})"
+    return where
 
 
 def _src(group) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -14,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import runtime
 from . import _direct_call
-from ._build import prepare_buffers, shard_parameters
+from ._build import prepare_buffers, shard_parameters, verify_same_parameters
 from ._comm import group_info
 from ._direct_call import install_direct_call_hooks
 from ._hf import guard_save_pretrained
@@ -35,6 +36,13 @@ from ._wrap import auto_wrap
 from ._xla_knobs import check_xla_knobs
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "XlaFullyShardedDataParallel"]
+
+
+#: True while an FSDP constructor auto-wraps children: it checked their parameters
+#: across the ranks already (verify_same_parameters over the whole module)
+_CHECKED_BY_PARENT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "shardkit_fsdp_checked_by_parent", default=False
+)
 
 
 class _AllGather(torch.autograd.Function):
@@ -82,6 +90,10 @@ class FullyShardedDataParallel(nn.Module):
             their own dtype, as FSDP2 and autocast do (e.g. RoPE's fp32 ``inv_freq``).
         fp32_reduce_scatter: reduce gradients in fp32 rather than ``compute_dtype``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
+            Without it each rank keeps its own rows, so every rank must hold the same
+            values (same seed); a cheap fingerprint warns when they differ. Parameter
+            names, order, shapes, dtypes and requires_grad are always checked across
+            the ranks (``ModelMismatchError``, docs/fsdp.md).
         forward_prefetch / backward_prefetch: issue the next unit's all-gather early.
         param_init_fn: ``fn(module)`` run on each module holding meta-device tensors
             before sharding; without it such modules get empty CPU storage and their
@@ -145,9 +157,19 @@ class FullyShardedDataParallel(nn.Module):
         runtime.init()  # join the world the environment describes (torchrun, SLURM)
         self._group, self.rank, self.world_size = group_info(process_group)
         check_xla_knobs(xla_options, rank=self.rank, world=self.world_size)
+        if not _CHECKED_BY_PARENT.get():
+            # before any collective: every unit an auto-wrap makes below is covered by
+            # this one check (one all-reduce per wrap, not one per unit)
+            verify_same_parameters(
+                module, self._group, self.world_size, values=not opts.sync_module_states
+            )
         if opts.auto_wrap_policy is not None:
             wrapper = opts.auto_wrapper_callable or (lambda m, **kw: type(self)(m, **kw))
-            auto_wrap(module, opts.auto_wrap_policy, wrapper, opts.for_child(), type(self))
+            token = _CHECKED_BY_PARENT.set(True)
+            try:
+                auto_wrap(module, opts.auto_wrap_policy, wrapper, opts.for_child(), type(self))
+            finally:
+                _CHECKED_BY_PARENT.reset(token)
         materialize_meta(module, opts.param_init_fn)
         self.module = module
         guard_save_pretrained(module)  # HF models: never write local shards silently

@@ -1,0 +1,71 @@
+"""Ranks whose DDP setups disagree raise a clear error on every rank at construction
+(the diverging-ranks audit): parameters registered in another order (same shapes: the
+averages mixed different parameters), a frozen parameter of another shape, and a
+``bucket_cap_mb`` that cuts the gradients differently (gloo aborted the process)."""
+
+from harness import run_ranks
+
+
+def _two(swap=False, frozen_rows=4):
+    import torch
+    from torch import nn
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            if swap:
+                self.b = nn.Linear(4, 4)
+                self.a = nn.Linear(4, 4)
+            else:
+                self.a = nn.Linear(4, 4)
+                self.b = nn.Linear(4, 4)
+            self.frozen = nn.Parameter(torch.ones(frozen_rows, 2), requires_grad=False)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    return Two()
+
+
+def _attempt(build, **kwargs):
+    from shardkit.ddp import DistributedDataParallel as DDP
+    from shardkit.ddp._errors import ModelMismatchError
+
+    try:
+        ddp = DDP(build(), **kwargs)
+    except (ModelMismatchError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
+    import torch
+
+    ddp(torch.randn(3, 4)).sum().backward()  # the buckets' all-reduces match
+    return "ok", None
+
+
+def _cases(_):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    return {
+        "order": _attempt(lambda: _two(swap=rank == 1)),
+        "frozen shape": _attempt(lambda: _two(frozen_rows=4 + rank)),
+        "bucket cap": _attempt(_two, bucket_cap_mb=25 if rank == 0 else 0.00005),
+        # caps that differ but cut these small gradients the same way change nothing
+        "same buckets": _attempt(_two, bucket_cap_mb=25 if rank == 0 else 30),
+        "same model": _attempt(_two),
+    }
+
+
+def test_rank_disagreements_raise_on_every_rank_naming_the_difference():
+    for res in run_ranks(_cases, 2, None, timeout=90):
+        kind, msg = res["order"]
+        assert kind == "ModelMismatchError", res
+        assert "differs (rank 0: a.weight (4, 4) float32, rank 1: b.weight (4, 4) float32)" in msg
+        kind, msg = res["frozen shape"]
+        assert kind == "ModelMismatchError", res
+        assert "rank 0: frozen (4, 2) float32 frozen, rank 1: frozen (5, 2) float32 frozen" in msg
+        kind, msg = res["bucket cap"]
+        assert kind == "ValueError", res
+        assert "bucket_cap_mb differs between the ranks (rank 0: 25, rank 1: 5e-05)" in msg
+        assert res["same buckets"] == ("ok", None)
+        assert res["same model"] == ("ok", None)
