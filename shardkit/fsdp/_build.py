@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import runtime
+from ..runtime._collective import collective_device
 from ..runtime._json_gather import all_gather_json
 from ._errors import FSDPUsageError, ModelMismatchError
 from ._layout import SlotLayout
@@ -66,21 +66,6 @@ def _signature(root: nn.Module) -> list[list]:
     return out
 
 
-def _exchange_device(root: nn.Module, group) -> torch.device:
-    """Where the check's tensors live: the CPU on gloo (also a mixed ``cpu:gloo,...``
-    group), this rank's GPU on nccl (rank 0's parameters may sit on the CPU while the
-    others' are on the meta device), else the parameters' device."""
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend:
-        return torch.device("cpu")
-    if "nccl" in backend:
-        return runtime.device()
-    for p in root.parameters():
-        if p.device.type != "meta":
-            return p.device
-    return runtime.device()
-
-
 def verify_same_parameters(root: nn.Module, group, world: int, *, values: bool) -> None:
     """Raise :class:`ModelMismatchError` on every rank unless every rank's ``root`` holds
     the same parameters: names, registration order, shapes, dtypes and requires_grad.
@@ -98,7 +83,7 @@ def verify_same_parameters(root: nn.Module, group, world: int, *, values: bool) 
     mine = [type(root).__name__, _signature(root)]
     crc = zlib.crc32(repr(mine).encode())  # not hash(): str hashes differ per process
     fingerprint = _value_fingerprint(root) if values else 0
-    device = _exchange_device(root, group)
+    device = collective_device(group)
     both = torch.tensor([crc, -crc, fingerprint, -fingerprint], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     highest, minus_lowest, values_high, values_minus_low = both.tolist()
