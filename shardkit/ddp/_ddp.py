@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from .. import runtime
+from ..runtime._collective import collective_device
 from ..runtime._json_gather import all_gather_json
 from ._errors import CommHookError, ModelMismatchError, NothingToTrainError
 from ._grad_bucket import GradBucket
@@ -148,6 +149,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.dim = dim
         self.require_backward_grad_sync = True
         named = [(n, p) for n, p in self._named_params() if p.requires_grad]
+        self._world = _comm.group_size(self.process_group)
+        if self._world > 1 and init_sync:
+            # before refusing a module with nothing to train: a rank that alone has
+            # nothing would leave the others waiting in this check for good
+            self._verify_same_parameters(named)
         if not named:
             raise NothingToTrainError(
                 "DistributedDataParallel needs a module with at least one parameter that "
@@ -159,9 +165,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.device_ids = [self.device.index]
             out = self.device if output_device is None else output_device
             self.output_device = out if isinstance(out, int) else torch.device(out).index
-        self._world = _comm.group_size(self.process_group)
         if self._world > 1 and init_sync:
-            self._verify_same_parameters(named)
             self._broadcast([p for _, p in self._named_params()])
             if init_sync_buffers:
                 self._broadcast(self._synced_buffers())
@@ -272,7 +276,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         signature.append(zlib.crc32(shapes.encode()))  # not hash(): differs per process
         buckets = assign_buckets(params, cap_bytes=self.bucket_bytes_cap)
         signature.append(zlib.crc32(repr(buckets).encode()))
-        dev = params[0].device
+        dev = collective_device(self.process_group)
         both = torch.tensor(signature + [-s for s in signature], dtype=torch.int64, device=dev)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
         n = len(signature)

@@ -53,7 +53,17 @@ def _cases(_):
         # caps that differ but cut these small gradients the same way change nothing
         "same buckets": _attempt(_two, bucket_cap_mb=25 if rank == 0 else 30),
         "same model": _attempt(_two),
+        # every parameter frozen on rank 1 alone: refused there, and the other rank must
+        # learn of it rather than wait in the check (it hung until the gloo timeout)
+        "nothing on one rank": _attempt(lambda: _frozen_on(rank == 1)),
     }
+
+
+def _frozen_on(this_rank: bool):
+    model = _two()
+    if this_rank:
+        model.requires_grad_(False)
+    return model
 
 
 def test_rank_disagreements_raise_on_every_rank_naming_the_difference():
@@ -68,4 +78,6 @@ def test_rank_disagreements_raise_on_every_rank_naming_the_difference():
         assert kind == "ValueError", res
         assert "bucket_cap_mb differs between the ranks (rank 0: 25, rank 1: 5e-05)" in msg
         assert res["same buckets"] == ("ok", None)
+        kind, msg = res["nothing on one rank"]
+        assert kind == "ModelMismatchError" and "a.weight (4, 4) float32 frozen" in msg, res
         assert res["same model"] == ("ok", None)
