@@ -1,0 +1,93 @@
+"""Ranks that disagree on a mesh or on a sharded tensor's meaning raise on every rank.
+
+Found by an audit of ranks that disagree (2026-11-29): a mesh built with device ids in a
+different order on each rank gave a wrong ``full_tensor`` (both ranks owned the same
+box), swapped axis names gave a wrong matmul, and a different mesh shape hung in the
+first collective. ``full_tensor`` / ``redistribute`` read one rank's bytes as another
+dtype, spec or global shape and returned garbage. Now:
+
+- ``Mesh(...)`` compares a checksum of (device ids, mesh shape, axis names) across the
+  ranks and raises MeshError on every rank, naming what differs;
+- the all-gather's size header and a 16-byte header in front of each all-to-all chunk
+  carry the dtype and a checksum of (global shape, source spec): ValueError on every rank.
+"""
+
+import pytest
+from harness import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _outcome(fn):
+    """(exception class name, message) or ("ok", result) on this rank."""
+    try:
+        return "ok", fn()
+    except Exception as exc:  # noqa: BLE001 - the class is what is compared
+        return type(exc).__name__, str(exc)
+
+
+def _mesh_case(case):
+    import numpy as np
+    import torch
+
+    import shardkit.runtime as xr
+    import shardkit.spmd as xs
+
+    r, n = xr.global_ordinal(), xr.world_size()
+    ids, shape, names = np.arange(n), (n,), ("data",)
+    if case == "permuted_ids":
+        ids = np.arange(n) if r == 0 else np.arange(n)[::-1].copy()
+    elif case == "swapped_names":
+        shape, names = (n, 1), ("data", "model") if r == 0 else ("model", "data")
+    elif case == "shape":
+        shape, names = ((n, 1) if r == 0 else (1, n)), ("data", "model")
+    full = torch.arange(32.0).reshape(8, 4)
+
+    def body():
+        mesh = xs.Mesh(ids, shape, names)
+        return bool(torch.equal(xs.mark_sharding(full, mesh, ("data", None)).full_tensor(), full))
+
+    return _outcome(body)
+
+
+@pytest.mark.parametrize(
+    "case, what",
+    [
+        ("permuted_ids", "device_ids: rank 0 has [0, 1], rank 1 has [1, 0]"),
+        ("swapped_names", "axis_names: rank 0 has ['data', 'model'], rank 1 has ['model', 'data']"),
+        ("shape", "mesh_shape: rank 0 has [2, 1], rank 1 has [1, 2]"),
+    ],
+)
+def test_mesh_built_differently_raises_on_every_rank(case, what):
+    """Permuted ids gave a wrong full_tensor, swapped names a wrong result, another
+    shape a hang (the harness's timeout)."""
+    results = run_ranks(_mesh_case, 2, case, timeout=60)
+    for name, message in results:
+        assert name == "MeshError", results
+        assert what in message, message
+
+
+def test_same_mesh_on_every_rank_still_builds():
+    assert run_ranks(_mesh_case, 2, "same", timeout=60) == [("ok", True)] * 2
+
+
+def _fsdp_state_dict_on_one_rank():
+    import torch
+    from torch import nn
+
+    import shardkit.runtime as xr
+    from shardkit.fsdp import FSDP
+
+    torch.manual_seed(0)
+    model = FSDP(nn.Linear(4, 6))
+    if xr.global_ordinal() == 0:  # e.g. for logging: must not wait for the other rank
+        return sorted((k, type(v).__name__) for k, v in model.state_dict().items())
+    return None
+
+
+def test_fsdp_state_dict_on_one_rank_does_not_wait_for_the_others():
+    """FSDP builds its ("fsdp",) mesh lazily in state_dict(); that mesh skips the
+    cross-rank check, which would be a collective only one rank joined."""
+    results = run_ranks(_fsdp_state_dict_on_one_rank, 2, timeout=60)
+    rows = [("module.bias", "RowShard"), ("module.weight", "RowShard")]  # built the mesh
+    assert results == [rows, None]
