@@ -71,6 +71,71 @@ def test_same_mesh_on_every_rank_still_builds():
     assert run_ranks(_mesh_case, 2, "same", timeout=60) == [("ok", True)] * 2
 
 
+def _tensor_case(case):
+    import numpy as np
+    import torch
+
+    import shardkit.runtime as xr
+    import shardkit.spmd as xs
+
+    r, n = xr.global_ordinal(), xr.world_size()
+    mesh = xs.Mesh(np.arange(n), (n,), ("data",))
+    full = torch.arange(32.0).reshape(8, 4)
+
+    def body():
+        if case == "dtype":  # the same element size: the bytes fit either way
+            t = full.to(torch.float16 if r == 0 else torch.bfloat16)
+            return bool(torch.equal(xs.mark_sharding(t, mesh, ("data", None)).full_tensor(), t))
+        if case == "spec":
+            spec = ("data", None) if r == 0 else (None, "data")
+            return bool(torch.equal(xs.mark_sharding(full, mesh, spec).full_tensor(), full))
+        if case == "global_shape":  # 16 elements a rank either way
+            shape = (2, 16) if r == 0 else (8, 4)
+            rows = shape[0] // n
+            local = full.reshape(shape)[r * rows : (r + 1) * rows]
+            st = xs.ShardedTensor.from_local(local.clone(), mesh, ("data", None), shape)
+            return bool(torch.equal(st.full_tensor(), full.reshape(shape)))
+        # the all-to-all path: dim 0 sharded -> dim 1 sharded
+        st = xs.mark_sharding(full, mesh, ("data", None))
+        if case == "a2a_dtype":
+            t = full.to(torch.float32 if r == 0 else torch.int32)
+            st = xs.mark_sharding(t, mesh, ("data", None))
+        elif case == "a2a_global_shape":  # (4, 8) and (8, 4): the same bytes per peer
+            shape = (4, 8) if r == 0 else (8, 4)
+            rows = shape[0] // n
+            local = full.reshape(shape)[r * rows : (r + 1) * rows]
+            st = xs.ShardedTensor.from_local(local.clone(), mesh, ("data", None), shape)
+        with xs.count_collectives() as counts:
+            moved = st.redistribute((None, "data"))
+        assert counts.total_calls("all_to_all") == 1, counts.calls
+        return bool(torch.equal(moved.full_tensor(), full.to(moved.dtype).reshape(moved.shape)))
+
+    return _outcome(body)
+
+
+@pytest.mark.parametrize(
+    "case, what",
+    [
+        ("dtype", "dtype: rank 0 has torch.float16, rank 1 has torch.bfloat16"),
+        ("spec", "partition spec: rank 0 has ('data', None), rank 1 has (None, 'data')"),
+        ("global_shape", "global shape: rank 0 has [2, 16], rank 1 has [8, 4]"),
+        ("a2a_dtype", "dtype: rank 0 has torch.float32, rank 1 has torch.int32"),
+        ("a2a_global_shape", "global shape: rank 0 has [4, 8], rank 1 has [8, 4]"),
+    ],
+)
+def test_tensor_meaning_differs_raises_on_every_rank(case, what):
+    """full_tensor / redistribute read the other rank's bytes as this rank's dtype,
+    spec or shape and returned wrong values silently."""
+    results = run_ranks(_tensor_case, 2, case, timeout=60)
+    for name, message in results:
+        assert name == "ValueError", results
+        assert what in message, message
+
+
+def test_consistent_ranks_still_gather_and_move():
+    assert run_ranks(_tensor_case, 2, "a2a_same", timeout=60) == [("ok", True)] * 2
+
+
 def _fsdp_state_dict_on_one_rank():
     import torch
     from torch import nn
