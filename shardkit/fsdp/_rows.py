@@ -63,7 +63,11 @@ def row_mesh(group_world: int) -> Mesh | None:
         return None
     mesh = _MESHES.get(group_world)
     if mesh is None:
-        mesh = _MESHES[group_world] = Mesh(list(range(group_world)), (group_world,), (MESH_AXIS,))
+        # the same on every rank by construction, and built lazily from a state_dict()
+        # that one rank may take alone: no cross-rank check (it is a collective)
+        mesh = _MESHES[group_world] = Mesh(
+            list(range(group_world)), (group_world,), (MESH_AXIS,), _check_ranks=False
+        )
     return mesh
 
 

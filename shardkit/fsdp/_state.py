@@ -85,7 +85,9 @@ def _mesh(root) -> Mesh:
                 f"sharded state dicts need FSDP over the whole world ({runtime.world_size()} "
                 f"ranks), but this model shards over a group of {root.world_size}"
             )
-        mesh = Mesh(list(range(root.world_size)), (root.world_size,), (MESH_AXIS,))
+        # the same on every rank by construction: no cross-rank check (a collective)
+        world = root.world_size
+        mesh = Mesh(list(range(world)), (world,), (MESH_AXIS,), _check_ranks=False)
         root._shardkit_mesh = mesh
     return mesh
 

@@ -7,6 +7,8 @@ can assert exactly what a program communicates.
 from __future__ import annotations
 
 import contextlib
+import json
+import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -120,18 +122,59 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def _code(text: str) -> int:
+    return zlib.crc32(text.encode())  # not hash(): str hashes differ per process
+
+
+def _check_words(local: torch.Tensor, layout: dict | None) -> list[int]:
+    """``[dtype code, layout code]``: what a rank's bytes mean, for the cross-rank check."""
+    return [_code(str(local.dtype)), _code(json.dumps(layout, sort_keys=True))]
+
+
+def _raise_disagreement(local: torch.Tensor, layout: dict | None, group, ranks: list[int]):
+    """Every rank of ``group`` saw that the ranks' words differ: name the difference.
+
+    Only reached on a mismatch that every member saw, so the extra exchange is safe.
+    """
+    from ..runtime._json_gather import all_gather_json
+
+    mine = {"dtype": str(local.dtype), **(layout or {})}
+    every = all_gather_json(mine, group, device=torch.device("cpu"))
+    # the codes differed, so some description differs from the first member's
+    other = next((i for i, v in enumerate(every) if v != every[0]), 1)
+    what = "; ".join(
+        f"{k}: rank {ranks[0]} has {every[0].get(k)}, rank {ranks[other]} has {every[other].get(k)}"
+        for k in sorted(set(every[0]) | set(every[other]))
+        if every[0].get(k) != every[other].get(k)
+    )
+    raise ValueError(
+        "full_tensor/redistribute: the ranks disagree on the sharded tensor they exchange "
+        f"({what}); every rank must hold the same dtype, global shape and partition spec "
+        "(check from_local's global_shape and each rank's mark_sharding spec and dtype)"
+    )
+
+
 def all_gather_bytes(
-    local: torch.Tensor, mesh: Mesh, axes: Sequence[int]
+    local: torch.Tensor, mesh: Mesh, axes: Sequence[int], layout: dict | None = None
 ) -> dict[int, torch.Tensor]:
-    """Gather every group member's raw bytes; returns ``{global rank: uint8 tensor}``."""
+    """Gather every group member's raw bytes; returns ``{global rank: uint8 tensor}``.
+
+    The size header every member sends first also carries a code of ``local``'s dtype
+    and of ``layout`` (a JSON description of what the bytes are: global shape, spec), so
+    members that disagree raise ValueError on every rank instead of reading each other's
+    bytes as something else; no extra collective.
+    """
     payload = _as_bytes(local)
     group_ranks = sorted(mesh.group_ranks(axes))
     if len(group_ranks) == 1:
         return {group_ranks[0]: payload}
     group = mesh.group(axes)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in group_ranks]
-    dist.all_gather(sizes, size, group=group)
+    header = torch.tensor([payload.numel(), *_check_words(local, layout)], dtype=torch.int64)
+    headers = [torch.zeros_like(header) for _ in group_ranks]
+    dist.all_gather(headers, header, group=group)
+    if any(not torch.equal(h[1:], header[1:]) for h in headers):
+        _raise_disagreement(local, layout, group, group_ranks)
+    sizes = [h[0] for h in headers]
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=payload.device)
     padded[: payload.numel()] = payload
@@ -141,24 +184,46 @@ def all_gather_bytes(
     return {r: buf[: int(s.item())] for r, buf, s in zip(group_ranks, out, sizes)}
 
 
+_HEADER_BYTES = 16  # two int64 words; a multiple of every dtype's size keeps alignment
+
+
 def all_to_all_bytes(
-    chunks: Sequence[torch.Tensor], recv_sizes: Sequence[int], mesh: Mesh
+    chunks: Sequence[torch.Tensor],
+    recv_sizes: Sequence[int],
+    mesh: Mesh,
+    like: torch.Tensor | None = None,
+    layout: dict | None = None,
 ) -> list[torch.Tensor]:
-    """Send ``chunks[r]`` (raw bytes) to every world rank r; receive ``recv_sizes[r]`` bytes from each."""
-    send = (
-        torch.cat([_as_bytes(c) for c in chunks]) if chunks else torch.empty(0, dtype=torch.uint8)
-    )
-    recv = torch.empty(int(sum(recv_sizes)), dtype=torch.uint8, device=send.device)
+    """Send ``chunks[r]`` (raw bytes) to every world rank r; receive ``recv_sizes[r]`` bytes from each.
+
+    Each chunk travels behind a 16-byte header with the codes of ``like``'s dtype and of
+    ``layout`` (as :func:`all_gather_bytes`), inside the same all-to-all, so ranks that
+    disagree raise ValueError on every rank. Ranks that disagree on the byte counts
+    themselves fail in the transport instead (gloo raises or aborts).
+    """
+    like = chunks[0] if like is None else like
+    words = torch.tensor(_check_words(like, layout), dtype=torch.int64)
+    header = words.view(torch.uint8)
+    pieces = []
+    for c in chunks:
+        pieces += [header.to(c.device), _as_bytes(c)]
+    send = torch.cat(pieces) if chunks else torch.empty(0, dtype=torch.uint8)
+    sizes = [_HEADER_BYTES + int(s) for s in recv_sizes]
+    recv = torch.empty(sum(sizes), dtype=torch.uint8, device=send.device)
     me = dist.get_rank()
     record(
         "all_to_all",
         tuple(mesh.axis_labels),
-        send.numel() - chunks[me].numel() * chunks[me].element_size(),
+        sum(c.numel() * c.element_size() for i, c in enumerate(chunks) if i != me),
     )
     dist.all_to_all_single(
         recv,
         send,
-        output_split_sizes=[int(s) for s in recv_sizes],
-        input_split_sizes=[c.numel() * c.element_size() for c in chunks],
+        output_split_sizes=sizes,
+        input_split_sizes=[_HEADER_BYTES + c.numel() * c.element_size() for c in chunks],
     )
-    return list(torch.split(recv, [int(s) for s in recv_sizes]))
+    received = torch.split(recv, sizes)
+    theirs = torch.stack([buf[:_HEADER_BYTES] for buf in received]).cpu().view(torch.int64)
+    if not bool((theirs == words).all()):  # then every rank sees some peer differ
+        _raise_disagreement(like, layout, None, list(range(len(chunks))))
+    return [buf[_HEADER_BYTES:] for buf in received]

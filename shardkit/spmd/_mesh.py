@@ -5,10 +5,12 @@ from __future__ import annotations
 import ast
 import numbers
 import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from .. import runtime
@@ -39,6 +41,11 @@ class Mesh:
             axes are referred to by index and :meth:`shape` is keyed by axis index,
             as in torch_xla.
 
+    Every rank must build the same mesh: in a world of more than one rank the
+    constructor compares a checksum of (device ids, mesh shape, axis names) across the
+    ranks (one 16-byte all-reduce) and raises :class:`MeshError` on every rank, naming
+    what differs, when they disagree. Construction is therefore collective.
+
     Mistakes raise :class:`MeshError` (a ValueError and an AssertionError, as torch_xla
     asserts). Process groups for an axis (or a tuple of axes) are created on first use
     and cached; creation is collective, so every rank must reach it in the same order,
@@ -54,6 +61,8 @@ class Mesh:
         device_ids: Sequence[int] | np.ndarray,
         mesh_shape: Sequence[int],
         axis_names: Sequence[str] | None = None,
+        *,
+        _check_ranks: bool = True,
     ) -> None:
         given = device_ids if isinstance(device_ids, np.ndarray) else np.array(device_ids)
         ids = given.reshape(-1)
@@ -98,6 +107,8 @@ class Mesh:
                 isinstance(n, str) for n in axis_names
             ):
                 raise MeshError(f"axis_names {axis_names} must be unique strings")
+        if _check_ranks and world > 1:
+            _check_same_on_every_rank(ids.tolist(), mesh_shape, axis_names)
         self.device_ids = given
         self.mesh_shape = mesh_shape
         self.axis_names = axis_names
@@ -249,6 +260,40 @@ class Mesh:
 
     def __hash__(self) -> int:
         return self._hash
+
+
+def _check_same_on_every_rank(
+    ids: list[int], mesh_shape: tuple[int, ...], axis_names: tuple[str, ...] | None
+) -> None:
+    """Raise :class:`MeshError` on every rank unless all ranks built this very mesh.
+
+    A mesh that differs per rank gives wrong results silently (permuted device ids: two
+    ranks own the same box) or hangs in the first collective (a different shape or axis
+    names). One all-reduce of ``[c, -c]`` with MAX, ``c`` a crc32 of the mesh's canonical
+    repr (not ``hash()``, which differs per process), tells every rank whether all agree;
+    only on a mismatch does one more exchange fetch each rank's mesh to name the
+    difference. A mesh spans the whole world, so this runs on the world group.
+    """
+    crc = zlib.crc32(repr((ids, mesh_shape, axis_names)).encode())
+    device = runtime.device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    both = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if both[0].item() == -both[1].item():
+        return
+    from ..runtime._json_gather import all_gather_json
+
+    mine = {"device_ids": ids, "mesh_shape": list(mesh_shape), "axis_names": axis_names}
+    every = all_gather_json(mine, None, device=device)
+    other = next(r for r, v in enumerate(every) if v != every[0])
+    what = "; ".join(
+        f"{k}: rank 0 has {every[0][k]}, rank {other} has {every[other][k]}"
+        for k in mine
+        if every[0][k] != every[other][k]
+    )
+    raise MeshError(
+        f"the ranks built different meshes ({what}); every rank must construct the same "
+        "Mesh(device_ids, mesh_shape, axis_names), in the same order"
+    )
 
 
 _GLOBAL_MESH: Mesh | None = None

@@ -124,7 +124,7 @@ def redistribute_local(
     dst_axes = {a for axes in dst.spec for a in axes}
     gather_axes = sorted(src_axes - dst_axes)
     if gather_axes and _gather_covers(mesh, gather_axes, src_boxes, dst_boxes):
-        pieces = _comm.all_gather_bytes(local, mesh, gather_axes)
+        pieces = _comm.all_gather_bytes(local, mesh, gather_axes, _layout(global_shape, src))
         for rank, buf in pieces.items():
             overlap = src_boxes[rank].intersect(my_dst)
             if overlap is None or overlap.is_empty():
@@ -151,13 +151,20 @@ def redistribute_local(
         incoming = src_boxes[peer].intersect(my_dst) if source_of(me, peer) else None
         size = 0 if incoming is None else incoming.numel * local.element_size()
         recv_sizes.append(size)
-    received = _comm.all_to_all_bytes(sends, recv_sizes, mesh)
+    received = _comm.all_to_all_bytes(
+        sends, recv_sizes, mesh, like=local, layout=_layout(global_shape, src)
+    )
     for peer, buf in zip(ranks, received):
         if buf.numel() == 0:
             continue
         overlap = src_boxes[peer].intersect(my_dst)
         _place(out, my_dst, _from_bytes(buf, local, overlap), overlap)
     return out
+
+
+def _layout(global_shape: Sequence[int], src: Placement) -> dict:
+    """What the exchanged bytes are, compared across ranks by the collectives' headers."""
+    return {"global shape": [int(s) for s in global_shape], "partition spec": str(src.user_spec)}
 
 
 def _gather_covers(mesh, gather_axes, src_boxes, dst_boxes) -> bool:
