@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..runtime._collective import collective_device
+from ..runtime._json_gather import all_gather_json
 from ..runtime._runtime import _env_int
 from ._errors import MeshError
 from .layout import mesh_coords
@@ -275,13 +277,11 @@ def _check_same_on_every_rank(
     difference. A mesh spans the whole world, so this runs on the world group.
     """
     crc = zlib.crc32(repr((ids, mesh_shape, axis_names)).encode())
-    device = runtime.device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()
     both = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     if both[0].item() == -both[1].item():
         return
-    from ..runtime._json_gather import all_gather_json
-
     mine = {"device_ids": ids, "mesh_shape": list(mesh_shape), "axis_names": axis_names}
     every = all_gather_json(mine, None, device=device)
     other = next(r for r, v in enumerate(every) if v != every[0])
