@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime._collective import collective_device
+from ..runtime._fingerprint import value_fingerprint
 from ..runtime._json_gather import all_gather_json
 from ._errors import FSDPUsageError, ModelMismatchError
 from ._layout import SlotLayout
@@ -107,20 +108,10 @@ def verify_same_parameters(root: nn.Module, group, world: int, *, values: bool) 
 
 
 def _value_fingerprint(root: nn.Module) -> int:
-    """crc32 of each parameter's first and last element (meta ones left out): different
-    random inits differ there, and reading them costs one small copy per dtype."""
-    ends: dict[torch.dtype, list[torch.Tensor]] = {}
-    for _, mod in own_named(root):
-        for p in mod._parameters.values():
-            if p is not None and p.numel() and p.device.type != "meta":
-                t = p.detach()  # indexing makes views: no copy of a non-contiguous one
-                first, last = t[(0,) * t.dim()], t[(-1,) * t.dim()]
-                ends.setdefault(p.dtype, []).extend((first.reshape(1), last.reshape(1)))
-    crc = 0
-    for dtype in sorted(ends, key=str):
-        joined = torch.cat(ends[dtype]).cpu()
-        crc = zlib.crc32(joined.view(torch.uint8).numpy().tobytes(), crc)
-    return crc
+    """:func:`value_fingerprint` of the parameters the unit owns."""
+    return value_fingerprint(
+        p for _, mod in own_named(root) for p in mod._parameters.values() if p is not None
+    )
 
 
 def _first_difference(every: list) -> str:

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..runtime._fingerprint import ranks_differ, value_fingerprint
 from ._local_tp import apply_local, linear_role
 from ._mesh import Mesh
 from ._placement import Placement
 from ._sharded_tensor import ShardedTensor, mark_sharding
 from .layout import PartitionSpec
 
-__all__ = ["shard_module"]
+__all__ = ["shard_module", "warn_if_values_differ"]
 
 _ACTIVATIONS = ("sharded", "local")
 
@@ -121,6 +125,9 @@ def shard_module(
             f"plan patterns {unused} match no parameter of {type(module).__name__}; "
             f"parameter names look like {names[:4]} (or pass strict=False)"
         )
+    warn_if_values_differ(
+        [p for _, p, _, _ in decided if not isinstance(p, ShardedTensor)], "shard_module"
+    )
     if activations == "local":
         apply_local(module, mesh, _linear_roles(decided))
         return module
@@ -130,6 +137,28 @@ def shard_module(
             for _, owner, leaf in entries:
                 setattr(owner, leaf, sharded)
     return module
+
+
+def warn_if_values_differ(params: list[torch.Tensor], what: str) -> None:
+    """Warn on every rank when the ranks' ``params`` hold different values (collective
+    in a process group: one small all-reduce).
+
+    ``mark_sharding`` keeps each rank's own slice of what it is given, so parameters
+    initialised without a common seed become a mix of the ranks' initialisations
+    (torch's ``distribute_tensor`` scatters rank 0's instead). Compared by
+    :func:`value_fingerprint`, a heuristic that only ever warns.
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if ranks_differ(value_fingerprint(params)):
+        warnings.warn(
+            f"{what}: the ranks' parameters hold different values, so each rank keeps its "
+            "slice of its own tensors and the sharded model mixes the ranks' "
+            "initializations. Seed every rank identically (torch.manual_seed) before "
+            "building the model; ignore this if a checkpoint is loaded afterwards",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _linear_roles(decided: list) -> dict[nn.Linear, str]:

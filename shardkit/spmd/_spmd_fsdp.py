@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ._mesh import Mesh
+from ._module import warn_if_values_differ
 from ._sharded_tensor import ShardedTensor, mark_sharding
 
 __all__ = ["SpmdFullyShardedDataParallel"]
@@ -67,6 +68,10 @@ class SpmdFullyShardedDataParallel(nn.Module):
         # a parameter owned by several modules (tied embeddings) is sharded once and the
         # one sharded parameter set on every owner, so the tie holds and its gradient
         # sums what flows back through each owner's gather
+        warn_if_values_differ(
+            [p for p in module.parameters() if not isinstance(p, ShardedTensor)],
+            "SpmdFullyShardedDataParallel",
+        )
         sharded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (old, new)
         for sub in module.modules():
             names = [n for n, p in sub.named_parameters(recurse=False) if p is not None]

@@ -156,3 +156,36 @@ def test_fsdp_state_dict_on_one_rank_does_not_wait_for_the_others():
     results = run_ranks(_fsdp_state_dict_on_one_rank, 2, timeout=60)
     rows = [("module.bias", "RowShard"), ("module.weight", "RowShard")]  # built the mesh
     assert results == [rows, None]
+
+
+def _unseeded_case(wrapper, seeded):
+    """Build a model with a per-rank (or common) seed, wrap it; which warnings came."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    import shardkit.runtime as xr
+    import shardkit.spmd as xs
+
+    r, n = xr.global_ordinal(), xr.world_size()
+    torch.manual_seed(0 if seeded else 1 + r)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    mesh = xs.Mesh(list(range(n)), (n,), ("fsdp",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if wrapper == "shard_module":
+            xs.shard_module(model, mesh, {"0.weight": ("fsdp", None)})
+        else:
+            xs.SpmdFullyShardedDataParallel(model, mesh)
+    return [str(w.message) for w in caught if "initializations" in str(w.message)]
+
+
+@pytest.mark.parametrize("wrapper", ["shard_module", "SpmdFullyShardedDataParallel"])
+def test_parameters_initialised_differently_per_rank_warn(wrapper):
+    """Unseeded ranks: each keeps its slice of its own init, a mix nobody asked for
+    (torch's distribute_tensor scatters rank 0's); a common seed is quiet."""
+    for got in run_ranks(_unseeded_case, 2, wrapper, False, timeout=60):
+        assert len(got) == 1 and got[0].startswith(f"{wrapper}: the ranks' parameters"), got
+    for got in run_ranks(_unseeded_case, 2, wrapper, True, timeout=60):
+        assert got == [], got
