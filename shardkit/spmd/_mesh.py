@@ -66,51 +66,22 @@ class Mesh:
         *,
         _check_ranks: bool = True,
     ) -> None:
-        given = device_ids if isinstance(device_ids, np.ndarray) else np.array(device_ids)
-        ids = given.reshape(-1)
-        if isinstance(mesh_shape, int):
-            raise MeshError(
-                f"mesh_shape must be a tuple of sizes, got {mesh_shape!r}; write ({mesh_shape},)"
+        try:
+            given, ids, mesh_shape, axis_names, world = _validated(
+                device_ids, mesh_shape, axis_names
             )
-        bad = [s for s in mesh_shape if isinstance(s, bool) or not isinstance(s, numbers.Integral)]
-        if bad:  # int(2.5) would quietly make it 2
-            raise TypeError(f"mesh_shape {tuple(mesh_shape)!r} must hold ints, got {bad[0]!r}")
-        mesh_shape = tuple(int(s) for s in mesh_shape)
-        if any(s <= 0 for s in mesh_shape):
-            raise MeshError(f"mesh_shape {mesh_shape} must have only positive sizes")
-        if int(np.prod(mesh_shape)) != ids.size:
-            raise MeshError(
-                f"mesh_shape {mesh_shape} holds {int(np.prod(mesh_shape))} devices but "
-                f"{ids.size} device_ids were given"
-            )
-        runtime.init()  # join the world the environment describes (torchrun, SLURM)
-        world = runtime.world_size()
-        if ids.size != world:
-            raise MeshError(
-                f"the mesh has {ids.size} devices but the world has {world} ranks; "
-                f"use a mesh_shape whose product is {world}"
-            )
-        if sorted(ids.tolist()) != list(range(world)):
-            raise MeshError(
-                f"device_ids {ids.tolist()} must be a permutation of the ranks 0..{world - 1}"
-            )
-        if axis_names is not None:
-            if isinstance(axis_names, str):
-                raise MeshError(
-                    f"axis_names must be a tuple of names, got the string {axis_names!r}; "
-                    f"write ({axis_names!r},)"
-                )
-            axis_names = tuple(axis_names)
-            if len(axis_names) != len(mesh_shape):
-                raise MeshError(
-                    f"axis_names {axis_names} must name each of the {len(mesh_shape)} mesh axes"
-                )
-            if len(set(axis_names)) != len(axis_names) or not all(
-                isinstance(n, str) for n in axis_names
-            ):
-                raise MeshError(f"axis_names {axis_names} must be unique strings")
+        except (MeshError, TypeError) as exc:
+            if _check_ranks:  # the others may be valid, and wait in the check for this rank
+                _tell_other_ranks(exc)
+            raise
         if _check_ranks and world > 1:
-            _check_same_on_every_rank(ids.tolist(), mesh_shape, axis_names)
+            _check_same_on_every_rank(
+                {
+                    "device_ids": ids.tolist(),
+                    "mesh_shape": list(mesh_shape),
+                    "axis_names": axis_names,
+                }
+            )
         self.device_ids = given
         self.mesh_shape = mesh_shape
         self.axis_names = axis_names
@@ -264,26 +235,33 @@ class Mesh:
         return self._hash
 
 
-def _check_same_on_every_rank(
-    ids: list[int], mesh_shape: tuple[int, ...], axis_names: tuple[str, ...] | None
-) -> None:
+def _check_same_on_every_rank(mine: dict | None, error: str | None = None) -> None:
     """Raise :class:`MeshError` on every rank unless all ranks built this very mesh.
 
     A mesh that differs per rank gives wrong results silently (permuted device ids: two
     ranks own the same box) or hangs in the first collective (a different shape or axis
     names). One all-reduce of ``[c, -c]`` with MAX, ``c`` a crc32 of the mesh's canonical
-    repr (not ``hash()``, which differs per process), tells every rank whether all agree;
-    only on a mismatch does one more exchange fetch each rank's mesh to name the
-    difference. A mesh spans the whole world, so this runs on the world group.
+    repr (not ``hash()``, which differs per process; -1 where the mesh was invalid,
+    ``error``), tells every rank whether all agree; only on a mismatch does one more
+    exchange fetch each rank's mesh to name the difference. A mesh spans the whole
+    world, so this runs on the world group.
     """
-    crc = zlib.crc32(repr((ids, mesh_shape, axis_names)).encode())
+    crc = -1 if error is not None else zlib.crc32(repr(sorted(mine.items())).encode())
     device = collective_device()
     both = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     if both[0].item() == -both[1].item():
-        return
-    mine = {"device_ids": ids, "mesh_shape": list(mesh_shape), "axis_names": axis_names}
-    every = all_gather_json(mine, None, device=device)
+        return  # all agree (or all failed: each raises its own error)
+    every = all_gather_json({"error": error} if error is not None else mine, None, device=device)
+    if error is not None:
+        return  # the caller raises its own error
+    failed = {r: v["error"] for r, v in enumerate(every) if "error" in v}
+    if failed:
+        rank, why = next(iter(failed.items()))
+        raise MeshError(
+            f"rank(s) {sorted(failed)} could not build the mesh (rank {rank}: {why}); every "
+            "rank must construct the same Mesh(device_ids, mesh_shape, axis_names)"
+        )
     other = next(r for r, v in enumerate(every) if v != every[0])
     what = "; ".join(
         f"{k}: rank 0 has {every[0][k]}, rank {other} has {every[other][k]}"
@@ -294,6 +272,62 @@ def _check_same_on_every_rank(
         f"the ranks built different meshes ({what}); every rank must construct the same "
         "Mesh(device_ids, mesh_shape, axis_names), in the same order"
     )
+
+
+def _tell_other_ranks(exc: BaseException) -> None:
+    """This rank's mesh is invalid: take part in the check, so that ranks whose mesh is
+    valid raise too instead of waiting in it (only in a world already joined)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        _check_same_on_every_rank(None, f"{type(exc).__name__}: {exc}")
+
+
+def _validated(device_ids, mesh_shape, axis_names) -> tuple:
+    """``(given, ids, mesh_shape, axis_names, world)`` of a valid mesh on this rank, after
+    joining the world; MeshError or TypeError naming the mistake otherwise."""
+    given = device_ids if isinstance(device_ids, np.ndarray) else np.array(device_ids)
+    ids = given.reshape(-1)
+    if isinstance(mesh_shape, int):
+        raise MeshError(
+            f"mesh_shape must be a tuple of sizes, got {mesh_shape!r}; write ({mesh_shape},)"
+        )
+    bad = [s for s in mesh_shape if isinstance(s, bool) or not isinstance(s, numbers.Integral)]
+    if bad:  # int(2.5) would quietly make it 2
+        raise TypeError(f"mesh_shape {tuple(mesh_shape)!r} must hold ints, got {bad[0]!r}")
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    if any(s <= 0 for s in mesh_shape):
+        raise MeshError(f"mesh_shape {mesh_shape} must have only positive sizes")
+    if int(np.prod(mesh_shape)) != ids.size:
+        raise MeshError(
+            f"mesh_shape {mesh_shape} holds {int(np.prod(mesh_shape))} devices but "
+            f"{ids.size} device_ids were given"
+        )
+    runtime.init()  # join the world the environment describes (torchrun, SLURM)
+    world = runtime.world_size()
+    if ids.size != world:
+        raise MeshError(
+            f"the mesh has {ids.size} devices but the world has {world} ranks; "
+            f"use a mesh_shape whose product is {world}"
+        )
+    if sorted(ids.tolist()) != list(range(world)):
+        raise MeshError(
+            f"device_ids {ids.tolist()} must be a permutation of the ranks 0..{world - 1}"
+        )
+    if axis_names is not None:
+        if isinstance(axis_names, str):
+            raise MeshError(
+                f"axis_names must be a tuple of names, got the string {axis_names!r}; "
+                f"write ({axis_names!r},)"
+            )
+        axis_names = tuple(axis_names)
+        if len(axis_names) != len(mesh_shape):
+            raise MeshError(
+                f"axis_names {axis_names} must name each of the {len(mesh_shape)} mesh axes"
+            )
+        if len(set(axis_names)) != len(axis_names) or not all(
+            isinstance(n, str) for n in axis_names
+        ):
+            raise MeshError(f"axis_names {axis_names} must be unique strings")
+    return given, ids, mesh_shape, axis_names, world
 
 
 _GLOBAL_MESH: Mesh | None = None

@@ -41,6 +41,8 @@ def _mesh_case(case):
         shape, names = (n, 1), ("data", "model") if r == 0 else ("model", "data")
     elif case == "shape":
         shape, names = ((n, 1) if r == 0 else (1, n)), ("data", "model")
+    elif case == "invalid_on_rank_1":  # rank 1's mesh is refused before the check
+        names = ("data",) if r == 0 else ("data", "extra")
     full = torch.arange(32.0).reshape(8, 4)
 
     def body():
@@ -65,6 +67,14 @@ def test_mesh_built_differently_raises_on_every_rank(case, what):
     for name, message in results:
         assert name == "MeshError", results
         assert what in message, message
+
+
+def test_a_mesh_invalid_on_one_rank_fails_every_rank():
+    """Rank 1's own MeshError came at once while rank 0 waited in the check for good."""
+    (name0, msg0), (name1, msg1) = run_ranks(_mesh_case, 2, "invalid_on_rank_1", timeout=60)
+    assert name1 == "MeshError" and "must name each of the 1 mesh axes" in msg1, msg1
+    assert name0 == "MeshError" and "rank(s) [1] could not build the mesh" in msg0, msg0
+    assert "must name each of the 1 mesh axes" in msg0, msg0
 
 
 def test_same_mesh_on_every_rank_still_builds():
