@@ -276,15 +276,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         signature.append(zlib.crc32(shapes.encode()))  # not hash(): differs per process
         buckets = assign_buckets(params, cap_bytes=self.bucket_bytes_cap)
         signature.append(zlib.crc32(repr(buckets).encode()))
+        # options that change which collectives a step runs: buffers broadcast at forward
+        # on some ranks only, or a find-unused pass on some, would pair different calls
+        signature.append(zlib.crc32(repr(sorted(self._step_options().items())).encode()))
         dev = collective_device(self.process_group)
         both = torch.tensor(signature + [-s for s in signature], dtype=torch.int64, device=dev)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
         n = len(signature)
         highest, lowest = both[:n].tolist(), [-v for v in both[n:].tolist()]
         if highest != lowest:  # every rank sees it: one more exchange names the difference
-            params_differ, what = _first_difference(
-                every, self.bucket_cap_mb, self.process_group, dev
-            )
+            options = {"bucket_cap_mb": self.bucket_cap_mb, **self._step_options()}
+            params_differ, what = _first_difference(every, options, self.process_group, dev)
             if params_differ:
                 raise ModelMismatchError(
                     f"DistributedDataParallel: ranks hold different parameters: {what}; "
@@ -292,16 +294,24 @@ class DistributedDataParallel(nn.Module, Joinable):
                 )
             if what is not None:
                 raise ValueError(
-                    f"DistributedDataParallel: bucket_cap_mb differs between the ranks "
-                    f"({what}), so they would cut the gradients into different buckets and "
-                    "their all-reduces would not match; pass the same bucket_cap_mb on "
-                    "every rank"
+                    f"DistributedDataParallel: {what}, so the ranks would run different "
+                    "collectives (or cut the gradients into different buckets) and their "
+                    "all-reduces would not match; pass the same options on every rank"
                 )
             raise ModelMismatchError(
                 "DistributedDataParallel: the ranks group the same parameters into "
                 "different gradient buckets (are some parameters on another device on "
                 "one rank only?); put the model on one device per rank before wrapping it"
             )
+
+    def _step_options(self) -> dict[str, bool]:
+        """The options every rank must share because they decide a step's collectives."""
+        return {
+            "forward_sync_buffers": bool(self.forward_sync_buffers),
+            "find_unused_parameters": bool(self.find_unused_parameters),
+            "static_graph": bool(self.static_graph),
+            "gradient_as_bucket_view": bool(self.gradient_as_bucket_view),
+        }
 
     @torch.no_grad()
     def _broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -504,17 +514,16 @@ def _refuse_sharded(module: nn.Module) -> None:
 
 
 def _first_difference(
-    named: list[tuple[str, torch.Tensor]], bucket_cap_mb: float, group, device
+    named: list[tuple[str, torch.Tensor]], options: dict, group, device
 ) -> tuple[bool, str | None]:
     """(True, the first parameter whose name, shape, dtype or requires_grad differs
-    between the ranks, or the counts by rank); else (False, every rank's
-    ``bucket_cap_mb`` where they differ, or None). A JSON all-gather: nothing is
-    unpickled."""
+    between the ranks, or the counts by rank); else (False, each option that differs,
+    with every rank's value, or None). A JSON all-gather: nothing is unpickled."""
     mine = [
         [name, list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad]
         for name, p in named
     ]
-    every = all_gather_json({"params": mine, "cap": bucket_cap_mb}, group, device=device)
+    every = all_gather_json({"params": mine, "options": options}, group, device=device)
     lists = [entry["params"] for entry in every]
     for index in range(min(len(params) for params in lists)):
         entries = [params[index] for params in lists]
@@ -527,7 +536,11 @@ def _first_difference(
     if any(len(params) != len(lists[0]) for params in lists):
         counts = ", ".join(f"rank {r}: {len(params)}" for r, params in enumerate(lists))
         return True, f"the number of parameters differs ({counts})"
-    caps = [entry["cap"] for entry in every]
-    if any(cap != caps[0] for cap in caps):
-        return False, ", ".join(f"rank {r}: {cap}" for r, cap in enumerate(caps))
-    return False, None
+    differ = [
+        f"{name} differs between the ranks ("
+        + ", ".join(f"rank {r}: {entry['options'][name]}" for r, entry in enumerate(every))
+        + ")"
+        for name in options
+        if any(entry["options"][name] != every[0]["options"][name] for entry in every)
+    ]
+    return False, ("; ".join(differ) or None)

@@ -56,6 +56,10 @@ def _cases(_):
         # every parameter frozen on rank 1 alone: refused there, and the other rank must
         # learn of it rather than wait in the check (it hung until the gloo timeout)
         "nothing on one rank": _attempt(lambda: _frozen_on(rank == 1)),
+        # buffers broadcast at forward on one rank only paired that broadcast with the
+        # other rank's gradient all-reduce (a hang); find_unused's pass likewise
+        "broadcast_buffers": _attempt(_two, broadcast_buffers=rank == 0),
+        "find_unused": _attempt(_two, find_unused_parameters=rank == 1),
     }
 
 
@@ -78,6 +82,12 @@ def test_rank_disagreements_raise_on_every_rank_naming_the_difference():
         assert kind == "ValueError", res
         assert "bucket_cap_mb differs between the ranks (rank 0: 25, rank 1: 5e-05)" in msg
         assert res["same buckets"] == ("ok", None)
+        kind, msg = res["broadcast_buffers"]
+        assert kind == "ValueError", res
+        assert "forward_sync_buffers differs between the ranks (rank 0: True, rank 1: False)" in msg
+        kind, msg = res["find_unused"]
+        assert kind == "ValueError", res
+        assert "find_unused_parameters differs between the ranks (rank 0: False, rank 1: True)" in msg
         kind, msg = res["nothing on one rank"]
         assert kind == "ModelMismatchError" and "a.weight (4, 4) float32 frozen" in msg, res
         assert res["same model"] == ("ok", None)

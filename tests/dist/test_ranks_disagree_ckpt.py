@@ -76,6 +76,10 @@ def _body(tmp):
         out["restore_two"] = _outcome(lambda: mgr.restore(1 + rank, {"w": torch.zeros(4, 4)}))
         got = mgr.restore(2, {"w": torch.zeros(4, 4)})
         out["restore_same"] = torch.equal(got["w"], w * 2)
+        # save on one rank, save_async on the other: the blocking one waited for good
+        call = mgr.save if rank == 0 else mgr.save_async
+        out["save_or_async"] = _outcome(lambda: call(3, {"w": w}))
+        out["after"] = mgr.save(4, {"w": w}) and mgr.all_steps()[-1]
     return out
 
 
@@ -98,3 +102,5 @@ def test_checkpoint_calls_whose_ranks_disagree_fail_or_warn_on_every_rank(tmp_pa
         assert r["save_two_left"] == [], (rank, r["save_two_left"])
         assert r["restore_two"].startswith("ValueError: the ranks passed steps from 1 to 2")
         assert r["restore_same"]
+        assert r["save_or_async"].startswith("ValueError: some ranks called save()"), r
+        assert r["after"] == 4

@@ -193,6 +193,8 @@ class CheckpointManager(SetupMethods, BackgroundMethods, TierMethods, RestoreMet
                 # a wrong tier type is refused with its own message just after
                 "local_tier.interval": getattr(local_tier, "interval", None),
                 "local_tier.peer": getattr(local_tier, "peer", None),
+                "local_tier.max_to_keep": getattr(local_tier, "max_to_keep", None),
+                "local_tier.max_bytes": getattr(local_tier, "max_bytes", None),
             }
         )
         refuse_per_process(self._store.fs, self.path, len(self._ranks))
@@ -329,18 +331,24 @@ class CheckpointManager(SetupMethods, BackgroundMethods, TierMethods, RestoreMet
         tier_failed = tiers is not None and tiers.has_error()
         flags, ranges = flags_and_ranges(
             [signalled, failed, tier_failed, bad_metrics is not None],
-            [step, int(bool(force)), tier_bytes],
+            [step, int(bool(force)), tier_bytes, int(blocking)],
             self._ctrl,
             len(self._ranks),
         )
         signalled, failed, tier_failed, any_bad = flags
-        (lo, hi), (f_lo, f_hi), tier_range = ranges
+        (lo, hi), (f_lo, f_hi), tier_range, (b_lo, b_hi) = ranges
         if any_bad:
             if bad_metrics is not None:
                 raise bad_metrics
             raise ValueError(
                 f"another rank passed invalid metrics to save() of step {step} under "
                 f"{self.path} (see its error); nothing saved"
+            )
+        if b_lo != b_hi:  # the blocking save would wait for a commit the others do later
+            raise ValueError(
+                f"some ranks called save() and others save_async() for step {step} under "
+                f"{self.path} (this rank: {'save' if blocking else 'save_async'}); every rank "
+                "must make the same call. Nothing saved"
             )
         if lo != hi or f_lo != f_hi:
             what = f"steps from {lo} to {hi}" if lo != hi else "different force= values"
