@@ -229,21 +229,30 @@ def _different_options(tmp):
 
     from shardkit.checkpoint import CheckpointManager
 
+    from shardkit.checkpoint import LocalTier
+
     rank = dist.get_rank()
-    try:
-        CheckpointManager(os.path.join(tmp, "run"), save_interval=2 + rank,
-                          chkpt_on_preemption=False)  # fmt: skip
-    except ValueError as exc:
-        return str(exc)
-    return "constructed"
+    out = []
+    for kw in (
+        {"save_interval": 2 + rank},
+        # a RAM tier bound on one rank only: that rank alone refused its saves
+        {"save_interval": 1, "local_tier": LocalTier(directory=tmp, max_bytes=2**30 + rank)},
+    ):
+        try:
+            CheckpointManager(os.path.join(tmp, "run"), chkpt_on_preemption=False, **kw)
+            out.append("constructed")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
 
 
 def test_ranks_given_different_options_raise_on_every_rank(tmp_path):
     """save_interval 2 on rank 0 and 3 on rank 1 used to hang at the first save (each
     rank in a different collective) past the group timeout (errors audit)."""
-    for message in run_ranks(_different_options, 2, str(tmp_path), timeout=60):
-        assert "different options on different ranks (save_interval: [2, 3]" in message
-        assert "max_to_keep" not in message
+    for interval, tier in run_ranks(_different_options, 2, str(tmp_path), timeout=60):
+        assert "different options on different ranks (save_interval: [2, 3]" in interval
+        assert "max_to_keep" not in interval
+        assert "local_tier.max_bytes: [1073741824, 1073741825]" in tier, tier
 
 
 # -- ENOSPC, then space again -----------------------------------------------------------------
