@@ -19,6 +19,7 @@ from ._options import FSDPOptions
 from ._unit import ManagedParam
 
 __all__ = [
+    "step_options",
     "own_modules",
     "own_named",
     "prepare_buffers",
@@ -67,7 +68,23 @@ def _signature(root: nn.Module) -> list[list]:
     return out
 
 
-def verify_same_parameters(root: nn.Module, group, world: int, *, values: bool) -> None:
+def step_options(opts: FSDPOptions) -> dict[str, str]:
+    """The options every rank must share, because they decide what a step communicates
+    (and in which dtype): one rank computing in fp16 and another in bf16 summed the two
+    formats' bits silently; a different resharding or module-state sync left a rank in
+    a collective the others never made."""
+    return {
+        "compute_dtype": str(opts.compute_dtype),
+        "buffer_dtype": str(opts.buffer_dtype),
+        "fp32_reduce_scatter": str(opts.fp32_reduce_scatter),
+        "reshard_after_forward": str(opts.reshard_after_forward),
+        "sync_module_states": str(opts.sync_module_states),
+    }
+
+
+def verify_same_parameters(
+    root: nn.Module, group, world: int, *, values: bool, options: dict[str, str] | None = None
+) -> None:
     """Raise :class:`ModelMismatchError` on every rank unless every rank's ``root`` holds
     the same parameters: names, registration order, shapes, dtypes and requires_grad.
 
@@ -81,7 +98,7 @@ def verify_same_parameters(root: nn.Module, group, world: int, *, values: bool) 
     """
     if world <= 1:
         return
-    mine = [type(root).__name__, _signature(root)]
+    mine = [type(root).__name__, _signature(root), sorted((options or {}).items())]
     crc = zlib.crc32(repr(mine).encode())  # not hash(): str hashes differ per process
     fingerprint = _value_fingerprint(root) if values else 0
     device = collective_device(group)
@@ -90,8 +107,14 @@ def verify_same_parameters(root: nn.Module, group, world: int, *, values: bool) 
     highest, minus_lowest, values_high, values_minus_low = both.tolist()
     if highest != -minus_lowest:
         every = all_gather_json(mine, group, device=device)  # only on a mismatch
+        differ = _options_differ([entry[2] for entry in every])
+        if differ and all(entry[:2] == every[0][:2] for entry in every):
+            raise ValueError(
+                f"FSDP: {differ}; pass the same options on every rank (they decide what "
+                "each step communicates, and in which dtype)"
+            )
         raise ModelMismatchError(
-            f"FSDP: the ranks wrap different parameters: {_first_difference(every)}; build "
+            f"FSDP: the ranks wrap different parameters: {_first_difference([entry[:2] for entry in every])}; build "
             "the same model on every rank (same layers, registration order, shapes, dtypes "
             "and requires_grad) before wrapping it"
         )
@@ -111,6 +134,18 @@ def _value_fingerprint(root: nn.Module) -> int:
     """:func:`value_fingerprint` of the parameters the unit owns."""
     return value_fingerprint(
         p for _, mod in own_named(root) for p in mod._parameters.values() if p is not None
+    )
+
+
+def _options_differ(every: list) -> str:
+    """Each option whose value differs between the ranks, with every rank's value."""
+    by_rank = [dict(items) for items in every]
+    return "; ".join(
+        f"{name} differs between the ranks ("
+        + ", ".join(f"rank {r}: {values.get(name)}" for r, values in enumerate(by_rank))
+        + ")"
+        for name in by_rank[0]
+        if any(values.get(name) != by_rank[0][name] for values in by_rank)
     )
 
 

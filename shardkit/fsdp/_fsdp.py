@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import runtime
 from . import _direct_call
-from ._build import prepare_buffers, shard_parameters, verify_same_parameters
+from ._build import prepare_buffers, shard_parameters, step_options, verify_same_parameters
 from ._comm import group_info
 from ._direct_call import install_direct_call_hooks
 from ._hf import guard_save_pretrained
@@ -161,7 +161,11 @@ class FullyShardedDataParallel(nn.Module):
             # before any collective: every unit an auto-wrap makes below is covered by
             # this one check (one all-reduce per wrap, not one per unit)
             verify_same_parameters(
-                module, self._group, self.world_size, values=not opts.sync_module_states
+                module,
+                self._group,
+                self.world_size,
+                values=not opts.sync_module_states,
+                options=step_options(opts),
             )
         if opts.auto_wrap_policy is not None:
             wrapper = opts.auto_wrapper_callable or (lambda m, **kw: type(self)(m, **kw))

@@ -44,13 +44,14 @@ def _attempt(build, **kwargs):
 
     try:
         model = FSDP(build(), **kwargs)
-    except ModelMismatchError as exc:
-        return "ModelMismatchError", str(exc)
+    except (ModelMismatchError, ValueError) as exc:
+        return type(exc).__name__, str(exc)
     model(torch.randn(3, 4)).sum().backward()
     return "ok", None
 
 
 def _cases(_):
+    import torch
     import torch.distributed as dist
     from torch import nn
 
@@ -66,11 +67,25 @@ def _cases(_):
         "auto-wrapped extra layer": _attempt(lambda: _two(extra=one), auto_wrap_policy=per_linear),
         "same model": _attempt(_two),
         "same model auto-wrapped": _attempt(_two, auto_wrap_policy=per_linear),
+        # fp16 on one rank, bf16 on the other: the reduce summed the two formats' bits
+        # and training went on to parameters near 1e28, silently (second audit)
+        "compute dtype": _attempt(
+            _two, compute_dtype=torch.float16 if one else torch.bfloat16
+        ),
+        "reshard": _attempt(_two, reshard_after_forward=not one),
     }
 
 
 def test_ranks_wrapping_different_models_raise_on_every_rank():
     for res in run_ranks(_cases, 2, None, timeout=120):
+        kind, msg = res["compute dtype"]
+        assert kind == "ValueError", res
+        assert (
+            "compute_dtype differs between the ranks (rank 0: torch.bfloat16, rank 1: "
+            "torch.float16)" in msg
+        ), msg
+        kind, msg = res["reshard"]
+        assert kind == "ValueError" and "reshard_after_forward differs" in msg, res
         kind, msg = res["order"]
         assert kind == "ModelMismatchError", res
         assert (
