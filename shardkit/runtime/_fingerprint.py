@@ -34,14 +34,20 @@ def value_fingerprint(tensors: Iterable[torch.Tensor]) -> int:
     return crc
 
 
-def ranks_differ(value: int, group=None, *, device: torch.device | None = None) -> bool:
-    """Whether ``value`` differs between the ranks of ``group`` (collective: one
-    all-reduce of two int64s; every rank gets the same answer)."""
+def ranks_differ(
+    values: list[int], group=None, *, device: torch.device | None = None
+) -> list[bool]:
+    """For each of ``values``, whether it differs between the ranks of ``group``
+    (collective: one all-reduce of ``2 * len(values)`` int64s; every rank gets the same
+    answer)."""
     from ._collective import collective_device
 
+    n = len(values)
     both = torch.tensor(
-        [value, -value], dtype=torch.int64, device=device or collective_device(group)
+        [*values, *(-v for v in values)],
+        dtype=torch.int64,
+        device=device or collective_device(group),
     )
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    high, minus_low = both.tolist()
-    return high != -minus_low
+    out = both.tolist()
+    return [out[i] != -out[n + i] for i in range(n)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import zlib
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 
@@ -17,7 +18,7 @@ from ._placement import Placement
 from ._sharded_tensor import ShardedTensor, mark_sharding
 from .layout import PartitionSpec
 
-__all__ = ["shard_module", "warn_if_values_differ"]
+__all__ = ["check_across_ranks", "shard_module"]
 
 _ACTIVATIONS = ("sharded", "local")
 
@@ -125,8 +126,11 @@ def shard_module(
             f"plan patterns {unused} match no parameter of {type(module).__name__}; "
             f"parameter names look like {names[:4]} (or pass strict=False)"
         )
-    warn_if_values_differ(
-        [p for _, p, _, _ in decided if not isinstance(p, ShardedTensor)], "shard_module"
+    layout = [(entries[0][0], normalized) for entries, _, _, normalized in decided]
+    check_across_ranks(
+        [p for _, p, _, _ in decided if not isinstance(p, ShardedTensor)],
+        "shard_module",
+        layout=repr((activations, layout)),
     )
     if activations == "local":
         apply_local(module, mesh, _linear_roles(decided))
@@ -139,18 +143,30 @@ def shard_module(
     return module
 
 
-def warn_if_values_differ(params: list[torch.Tensor], what: str) -> None:
-    """Warn on every rank when the ranks' ``params`` hold different values (collective
-    in a process group: one small all-reduce).
+def check_across_ranks(params: list[torch.Tensor], what: str, *, layout: str) -> None:
+    """Compare, across the ranks, how ``what`` lays the parameters out (``layout``: a
+    canonical description, e.g. names and normalized specs) and their values; collective
+    in a process group (one small all-reduce).
 
-    ``mark_sharding`` keeps each rank's own slice of what it is given, so parameters
-    initialised without a common seed become a mix of the ranks' initialisations
-    (torch's ``distribute_tensor`` scatters rank 0's instead). Compared by
-    :func:`value_fingerprint`, a heuristic that only ever warns.
+    A layout that differs (a plan whose column and row specs are swapped on one rank)
+    gives wrong results on every rank without any error: ValueError on every rank.
+    Values that differ (no common seed) are mixed slice by slice, since each rank keeps
+    its slice of what it holds (torch's ``distribute_tensor`` scatters rank 0's): a
+    warning, by :func:`value_fingerprint`, a heuristic; loading a checkpoint afterwards
+    makes them equal.
     """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
-    if ranks_differ(value_fingerprint(params)):
+    layout_differs, values_differ = ranks_differ(
+        [zlib.crc32(layout.encode()), value_fingerprint(params)]
+    )
+    if layout_differs:
+        raise ValueError(
+            f"{what}: the ranks lay the parameters out differently (a plan, mesh axis or "
+            "option that differs per rank), which computes wrong results on every rank; "
+            "pass the same arguments on every rank"
+        )
+    if values_differ:
         warnings.warn(
             f"{what}: the ranks' parameters hold different values, so each rank keeps its "
             "slice of its own tensors and the sharded model mixes the ranks' "

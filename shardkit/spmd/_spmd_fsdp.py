@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ._mesh import Mesh
-from ._module import warn_if_values_differ
+from ._module import check_across_ranks
 from ._sharded_tensor import ShardedTensor, mark_sharding
 
 __all__ = ["SpmdFullyShardedDataParallel"]
@@ -68,9 +68,16 @@ class SpmdFullyShardedDataParallel(nn.Module):
         # a parameter owned by several modules (tied embeddings) is sharded once and the
         # one sharded parameter set on every owner, so the tie holds and its gradient
         # sums what flows back through each owner's gather
-        warn_if_values_differ(
+        check_across_ranks(
             [p for p in module.parameters() if not isinstance(p, ShardedTensor)],
             "SpmdFullyShardedDataParallel",
+            layout=repr(
+                (
+                    shard_axis,
+                    extra_data_axis,
+                    [(n, tuple(p.shape)) for n, p in module.named_parameters()],
+                )
+            ),
         )
         sharded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (old, new)
         for sub in module.modules():

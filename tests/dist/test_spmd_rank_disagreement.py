@@ -199,3 +199,35 @@ def test_parameters_initialised_differently_per_rank_warn(wrapper):
         assert len(got) == 1 and got[0].startswith(f"{wrapper}: the ranks' parameters"), got
     for got in run_ranks(_unseeded_case, 2, wrapper, True, timeout=60):
         assert got == [], got
+
+
+def _plan_case(wrapper):
+    import torch
+    from torch import nn
+
+    import shardkit.runtime as xr
+    import shardkit.spmd as xs
+
+    r, n = xr.global_ordinal(), xr.world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    if wrapper == "shard_module":
+        mesh = xs.Mesh(list(range(n)), (n,), ("model",))
+        col, row = ("model", None), (None, "model")
+        plan = {"0.weight": col, "1.weight": row} if r == 0 else {"0.weight": row, "1.weight": col}
+        return _outcome(lambda: xs.shard_module(model, mesh, plan, strict=False) and "wrapped")
+    mesh = xs.Mesh(list(range(n)), (1, n), ("data", "fsdp"))
+    extra = "data" if r == 1 else None
+    return _outcome(
+        lambda: xs.SpmdFullyShardedDataParallel(model, mesh, extra_data_axis=extra) and "wrapped"
+    )
+
+
+@pytest.mark.parametrize("wrapper", ["shard_module", "SpmdFullyShardedDataParallel"])
+def test_a_layout_that_differs_per_rank_raises_on_every_rank(wrapper):
+    """A plan with column and row specs swapped on one rank gave every rank a wrong
+    output, silently (the second divergence audit); extra_data_axis on one rank only
+    ended in gloo resets on some ranks."""
+    for name, message in run_ranks(_plan_case, 2, wrapper, timeout=60):
+        assert name == "ValueError", message
+        assert "the ranks lay the parameters out differently" in message, message
