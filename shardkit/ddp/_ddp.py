@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import numbers
 import sys
 import warnings
@@ -171,6 +172,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._broadcast(self._synced_buffers())
         self.reducer = self._build_reducer()
         self._hook_registered = False
+        self._hook_checked = False
         self._join_divide_by_initial = True
 
     def _build_reducer(self) -> Reducer:
@@ -204,6 +206,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = _comm.resolve_group(None)
         self.reducer = self._build_reducer()
         self._hook_registered = False
+        self._hook_checked = False
 
     # -- torch's smaller attributes ------------------------------------------------
 
@@ -304,6 +307,28 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "one rank only?); put the model on one device per rank before wrapping it"
             )
 
+    def _check_same_hook(self) -> None:
+        """At the first forward: every rank must reduce through the same communication
+        hook with the same settings. An fp16 hook on one rank and bf16 on another summed
+        the two formats' bits and the ranks diverged silently; PowerSGD settings that
+        differ abort in gloo; a hook on one rank only pairs different collectives. One
+        all-reduce of two int64s, once (a hook registered later is not compared; neither
+        under ``join()``, where a rank may have no batch at all)."""
+        mine = _hook_description(self.reducer.hook, self.reducer.hook_state)
+        dev = collective_device(self.process_group)
+        crc = zlib.crc32(json.dumps(mine, sort_keys=True).encode())
+        both = torch.tensor([crc, -crc], dtype=torch.int64, device=dev)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
+        if both[0].item() == -both[1].item():
+            return
+        every = all_gather_json(mine, self.process_group, device=dev)
+        shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(every))
+        raise CommHookError(
+            f"DistributedDataParallel: the ranks reduce gradients through different "
+            f"communication hooks or settings ({shown}); register the same hook with the "
+            "same state on every rank, before the first forward"
+        )
+
     def _step_options(self) -> dict[str, bool]:
         """The options every rank must share because they decide a step's collectives."""
         return {
@@ -330,6 +355,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- training ----------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        if not self._hook_checked:
+            self._hook_checked = True  # once: hooks are registered before training
+            if self._world > 1 and not self._join_config.enable:
+                self._check_same_hook()
         src = 0
         if self._join_config.enable and self._world > 1:
             Join.notify_join_context(self)  # counts this rank as still training
@@ -544,3 +573,20 @@ def _first_difference(
         if any(entry["options"][name] != every[0]["options"][name] for entry in every)
     ]
     return False, ("; ".join(differ) or None)
+
+
+def _hook_description(hook, state) -> dict:
+    """The hook's name and its state's settings, as JSON. Settings are read from the
+    states shardkit and torch define (PowerSGD's); a user's own state may hold per-rank
+    values (its rank), so only its type is compared."""
+    if hook is None:
+        return {"hook": None}
+    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    known = type(state).__module__.split(".")[0] in ("shardkit", "torch")
+    settings = {
+        k: v
+        for k, v in sorted(getattr(state, "__dict__", {}).items() if known else ())
+        if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))
+    }
+    settings["type"] = type(state).__qualname__
+    return {"hook": f"{getattr(hook, '__module__', '')}.{name}", "state": settings}

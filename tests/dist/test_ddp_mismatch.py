@@ -91,3 +91,55 @@ def test_rank_disagreements_raise_on_every_rank_naming_the_difference():
         kind, msg = res["nothing on one rank"]
         assert kind == "ModelMismatchError" and "a.weight (4, 4) float32 frozen" in msg, res
         assert res["same model"] == ("ok", None)
+
+
+def _hooks(_):
+    import torch
+    import torch.distributed as dist
+
+    from shardkit.ddp import DistributedDataParallel as DDP
+    from shardkit.ddp._errors import CommHookError
+    from shardkit.ddp.comm_hooks import default_hooks as dh
+    from shardkit.ddp.comm_hooks import powerSGD_hook as ps
+
+    one = dist.get_rank() == 1
+
+    def attempt(register):
+        ddp = DDP(_two())
+        register(ddp)
+        try:
+            ddp(torch.randn(3, 4)).sum().backward()
+        except CommHookError as exc:
+            return "CommHookError", str(exc)
+        return "ok", None
+
+    def powersgd(rank):
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=rank)
+        return lambda ddp: ddp.register_comm_hook(state, ps.powerSGD_hook)
+
+    return {
+        # fp16 on one rank, bf16 on the other: the sum mixed the formats' bits silently
+        "fp16 vs bf16": attempt(
+            lambda ddp: ddp.register_comm_hook(
+                None, dh.bf16_compress_hook if one else dh.fp16_compress_hook
+            )
+        ),
+        # PowerSGD ranks that differ aborted the process in gloo
+        "powersgd rank": attempt(powersgd(2 if one else 1)),
+        "hook on one rank": attempt(
+            lambda ddp: one and ddp.register_comm_hook(None, dh.fp16_compress_hook)
+        ),
+        "same hook": attempt(powersgd(1)),
+    }
+
+
+def test_communication_hooks_that_differ_raise_at_the_first_forward():
+    for res in run_ranks(_hooks, 2, None, timeout=90):
+        kind, msg = res["fp16 vs bf16"]
+        assert kind == "CommHookError" and "fp16_compress_hook" in msg, res
+        assert "bf16_compress_hook" in msg, msg
+        kind, msg = res["powersgd rank"]
+        assert kind == "CommHookError" and "'matrix_approximation_rank': 2" in msg, res
+        kind, msg = res["hook on one rank"]
+        assert kind == "CommHookError" and "{'hook': None}" in msg, res
+        assert res["same hook"] == ("ok", None), res
