@@ -385,7 +385,10 @@ def _refuse_unseen_files(writer: StorageWriter, replies: list[dict]) -> None:
     Ranks given different ``checkpoint_id``s (a per-rank timestamp in the path), or a
     path on storage the coordinator does not share, would otherwise commit metadata
     naming files elsewhere; the load would then report them missing, as if damaged.
-    One listing of the directory.
+    One listing of the directory; a name the listing lacks is looked up on its own
+    before it counts as missing, since a listing may be stale where a lookup is not (an
+    NFS client caches directory contents for up to a minute; a lookup by name asks the
+    server).
     """
     if not isinstance(writer, FileSystemWriter):
         return
@@ -397,7 +400,7 @@ def _refuse_unseen_files(writer: StorageWriter, replies: list[dict]) -> None:
     present = set(writer.list_files())
     unseen: dict[int, list[str]] = {}
     for name, rank in written.items():
-        if name not in present:
+        if name not in present and not _exists(writer, name):
             unseen.setdefault(rank, []).append(name)
     if unseen:
         shown = "; ".join(f"rank {r}: {names[:2]}" for r, names in sorted(unseen.items()))
@@ -407,6 +410,12 @@ def _refuse_unseen_files(writer: StorageWriter, replies: list[dict]) -> None:
             "rank 0 does not share. Give every rank the same path on shared storage; "
             "nothing was committed"
         )
+
+
+def _exists(writer: FileSystemWriter, name: str) -> bool:
+    """Whether file ``name`` of the checkpoint exists, asked by name (not listed)."""
+    path = writer.join(name)
+    return os.path.exists(path) if writer.local else bool(writer.fs.exists(path))
 
 
 def _settle_replicas(
