@@ -206,7 +206,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = _comm.resolve_group(None)
         self.reducer = self._build_reducer()
         self._hook_registered = False
-        self._hook_checked = False
+        self._hook_checked = True  # a copy (for evaluation, often on one rank) has no hook
 
     # -- torch's smaller attributes ------------------------------------------------
 
@@ -355,8 +355,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     # -- training ----------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
-        if not self._hook_checked:
-            self._hook_checked = True  # once: hooks are registered before training
+        if not self._hook_checked and torch.is_grad_enabled() and self.require_backward_grad_sync:
+            # once, at the first forward that syncs gradients: every rank makes that one
+            # (an evaluation forward on rank 0 alone, under no_grad, is fine)
+            self._hook_checked = True
             if self._world > 1 and not self._join_config.enable:
                 self._check_same_hook()
         src = 0

@@ -143,3 +143,29 @@ def test_communication_hooks_that_differ_raise_at_the_first_forward():
         kind, msg = res["hook on one rank"]
         assert kind == "CommHookError" and "{'hook': None}" in msg, res
         assert res["same hook"] == ("ok", None), res
+
+
+def _rank0_forwards_first(_):
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from shardkit.ddp import DistributedDataParallel as DDP
+
+    ddp = DDP(_two())
+    if dist.get_rank() == 0:  # a sample printed on rank 0 alone, and an evaluation copy
+        with torch.no_grad():
+            ddp(torch.randn(2, 4))
+        copy.deepcopy(ddp)(torch.randn(2, 4))
+    dist.barrier()
+    ddp(torch.randn(3, 4)).sum().backward()  # the first synced step, on every rank
+    return [p.grad.sum().item() for p in ddp.parameters() if p.requires_grad]
+
+
+def test_a_forward_on_one_rank_alone_before_training_is_fine():
+    """The hook comparison runs at the first forward that syncs gradients; it ran at any
+    first forward, so a no_grad forward or a copy's forward on rank 0 alone hung there
+    (found by a false-positive hunt)."""
+    grads = run_ranks(_rank0_forwards_first, 2, None, timeout=90)
+    assert grads[0] == grads[1]
