@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from .. import runtime
-from ..runtime._collective import collective_device
+from ..runtime._collective import collective_device, ranks_differ
 from ..runtime._json_gather import all_gather_json
 from ._errors import CommHookError, ModelMismatchError, NothingToTrainError
 from ._grad_bucket import GradBucket
@@ -283,11 +283,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         # on some ranks only, or a find-unused pass on some, would pair different calls
         signature.append(zlib.crc32(repr(sorted(self._step_options().items())).encode()))
         dev = collective_device(self.process_group)
-        both = torch.tensor(signature + [-s for s in signature], dtype=torch.int64, device=dev)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
-        n = len(signature)
-        highest, lowest = both[:n].tolist(), [-v for v in both[n:].tolist()]
-        if highest != lowest:  # every rank sees it: one more exchange names the difference
+        if any(ranks_differ(signature, self.process_group, device=dev)):
+            # every rank sees it: one more exchange names the difference
             options = {"bucket_cap_mb": self.bucket_cap_mb, **self._step_options()}
             params_differ, what = _first_difference(every, options, self.process_group, dev)
             if params_differ:
@@ -317,9 +314,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         mine = _hook_description(self.reducer.hook, self.reducer.hook_state)
         dev = collective_device(self.process_group)
         crc = zlib.crc32(json.dumps(mine, sort_keys=True).encode())
-        both = torch.tensor([crc, -crc], dtype=torch.int64, device=dev)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
-        if both[0].item() == -both[1].item():
+        if not ranks_differ([crc], self.process_group, device=dev)[0]:
             return
         every = all_gather_json(mine, self.process_group, device=dev)
         shown = "; ".join(f"rank {r}: {d}" for r, d in enumerate(every))

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime._collective import collective_device
+from ..runtime._collective import collective_device, ranks_differ
 from ..runtime._fingerprint import value_fingerprint
 from ..runtime._json_gather import all_gather_json
 from ._errors import FSDPUsageError, ModelMismatchError
@@ -102,10 +102,8 @@ def verify_same_parameters(
     crc = zlib.crc32(repr(mine).encode())  # not hash(): str hashes differ per process
     fingerprint = _value_fingerprint(root) if values else 0
     device = collective_device(group)
-    both = torch.tensor([crc, -crc, fingerprint, -fingerprint], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    highest, minus_lowest, values_high, values_minus_low = both.tolist()
-    if highest != -minus_lowest:
+    layout_differs, values_differ = ranks_differ([crc, fingerprint], group, device=device)
+    if layout_differs:
         every = all_gather_json(mine, group, device=device)  # only on a mismatch
         differ = _options_differ([entry[2] for entry in every])
         if differ and all(entry[:2] == every[0][:2] for entry in every):
@@ -118,7 +116,7 @@ def verify_same_parameters(
             "the same model on every rank (same layers, registration order, shapes, dtypes "
             "and requires_grad) before wrapping it"
         )
-    if values_high != -values_minus_low:
+    if values_differ:
         warnings.warn(
             f"FSDP: the ranks' {type(root).__name__} parameters hold different values and "
             "sync_module_states=False, so each rank keeps its rows of its own tensors and "

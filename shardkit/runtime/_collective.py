@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective_device"]
+__all__ = ["collective_device", "ranks_differ"]
 
 
 def _backends(group: Any) -> dict[str, str]:
@@ -50,3 +50,20 @@ def collective_device(group: Any = None, *, bulk: bool = False) -> torch.device:
     if backends.get("cuda") == "nccl" and (bulk or "cpu" not in backends):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def ranks_differ(
+    values: list[int], group=None, *, device: torch.device | None = None
+) -> list[bool]:
+    """For each of ``values``, whether it differs between the ranks of ``group``
+    (collective: one all-reduce of ``2 * len(values)`` int64s; every rank gets the same
+    answer)."""
+    n = len(values)
+    both = torch.tensor(
+        [*values, *(-v for v in values)],
+        dtype=torch.int64,
+        device=device or collective_device(group),
+    )
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    out = both.tolist()
+    return [out[i] != -out[n + i] for i in range(n)]

@@ -14,9 +14,8 @@ import zlib
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["ranks_differ", "value_fingerprint"]
+__all__ = ["value_fingerprint"]
 
 
 def value_fingerprint(tensors: Iterable[torch.Tensor]) -> int:
@@ -32,22 +31,3 @@ def value_fingerprint(tensors: Iterable[torch.Tensor]) -> int:
         joined = torch.cat(ends[dtype]).cpu()
         crc = zlib.crc32(joined.view(torch.uint8).numpy().tobytes(), crc)
     return crc
-
-
-def ranks_differ(
-    values: list[int], group=None, *, device: torch.device | None = None
-) -> list[bool]:
-    """For each of ``values``, whether it differs between the ranks of ``group``
-    (collective: one all-reduce of ``2 * len(values)`` int64s; every rank gets the same
-    answer)."""
-    from ._collective import collective_device
-
-    n = len(values)
-    both = torch.tensor(
-        [*values, *(-v for v in values)],
-        dtype=torch.int64,
-        device=device or collective_device(group),
-    )
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    out = both.tolist()
-    return [out[i] != -out[n + i] for i in range(n)]

@@ -10,11 +10,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from .. import runtime
-from ..runtime._collective import collective_device
+from ..runtime._collective import collective_device, ranks_differ
 from ..runtime._json_gather import all_gather_json
 from ..runtime._runtime import _env_int
 from ._errors import MeshError
@@ -248,9 +247,7 @@ def _check_same_on_every_rank(mine: dict | None, error: str | None = None) -> No
     """
     crc = -1 if error is not None else zlib.crc32(repr(sorted(mine.items())).encode())
     device = collective_device()
-    both = torch.tensor([crc, -crc], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    if both[0].item() == -both[1].item():
+    if not ranks_differ([crc], device=device)[0]:
         return  # all agree (or all failed: each raises its own error)
     every = all_gather_json({"error": error} if error is not None else mine, None, device=device)
     if error is not None:

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime._fingerprint import ranks_differ, value_fingerprint
+from ..runtime._collective import ranks_differ
+from ..runtime._fingerprint import value_fingerprint
 from ._local_tp import apply_local, linear_role
 from ._mesh import Mesh
 from ._placement import Placement
