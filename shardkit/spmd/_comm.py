@@ -7,6 +7,7 @@ can assert exactly what a program communicates.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import zlib
 from collections import Counter
@@ -126,9 +127,35 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode())  # not hash(): str hashes differ per process
 
 
+# What the caller is exchanging (a state-dict key...), compared with the layout
+_label: contextvars.ContextVar[tuple[dict, str] | None] = contextvars.ContextVar(
+    "shardkit_exchange_label", default=None
+)
+
+
+@contextlib.contextmanager
+def exchange_label(label: dict, hint: str) -> Iterator[None]:
+    """Fold ``label`` (JSON: what the caller exchanges, e.g. ``{"key": "0.weight"}``) into
+    the cross-rank check of the gathers and all-to-alls inside the block, so ranks that
+    exchange different things of the same shape raise instead of swapping values; ``hint``
+    ends the error (how to fix the call). No extra collective: the label rides in the
+    header code."""
+    token = _label.set((label, hint))
+    try:
+        yield
+    finally:
+        _label.reset(token)
+
+
+def _described(layout: dict | None) -> dict:
+    """``layout`` and the active :func:`exchange_label`: what the ranks compare."""
+    labelled = _label.get()
+    return {**(layout or {}), **(labelled[0] if labelled else {})}
+
+
 def _check_words(local: torch.Tensor, layout: dict | None) -> list[int]:
     """``[dtype code, layout code]``: what a rank's bytes mean, for the cross-rank check."""
-    return [_code(str(local.dtype)), _code(json.dumps(layout, sort_keys=True))]
+    return [_code(str(local.dtype)), _code(json.dumps(_described(layout), sort_keys=True))]
 
 
 def _raise_disagreement(local: torch.Tensor, layout: dict | None, group, ranks: list[int]):
@@ -138,7 +165,7 @@ def _raise_disagreement(local: torch.Tensor, layout: dict | None, group, ranks: 
     """
     from ..runtime._json_gather import all_gather_json
 
-    mine = {"dtype": str(local.dtype), **(layout or {})}
+    mine = {"dtype": str(local.dtype), **_described(layout)}
     every = all_gather_json(mine, group, device=torch.device("cpu"))
     # the codes differed, so some description differs from the first member's
     other = next((i for i, v in enumerate(every) if v != every[0]), 1)
@@ -147,10 +174,16 @@ def _raise_disagreement(local: torch.Tensor, layout: dict | None, group, ranks: 
         for k in sorted(set(every[0]) | set(every[other]))
         if every[0].get(k) != every[other].get(k)
     )
+    labelled = _label.get()
+    fix = (
+        labelled[1]
+        if labelled and any(every[0].get(k) != every[other].get(k) for k in labelled[0])
+        else "every rank must hold the same dtype, global shape and partition spec (check "
+        "from_local's global_shape and each rank's mark_sharding spec and dtype)"
+    )
     raise ValueError(
         "full_tensor/redistribute: the ranks disagree on the sharded tensor they exchange "
-        f"({what}); every rank must hold the same dtype, global shape and partition spec "
-        "(check from_local's global_shape and each rank's mark_sharding spec and dtype)"
+        f"({what}); {fix}"
     )
 
 

@@ -139,7 +139,9 @@ def get_model_state_dict(
         if not opts.keep_submodule_prefixes and submodules is not None:
             prefix = max((p for p in prefixes if under(key, [p])), key=len)
             key = key[len(prefix) + 1 :] if prefix else key
-        value = export_value(value, full=opts.full_state_dict, cpu=opts.cpu_offload and not drop)
+        value = export_value(
+            value, full=opts.full_state_dict, cpu=opts.cpu_offload and not drop, key=key
+        )
         if not drop:  # gathered with the other ranks, then let go
             out[key] = value
     return out

@@ -154,6 +154,7 @@ def get_optimizer_state_dict(
                     _wrap_like(v, param, layouts.get(id(param))),
                     full=opts.full_state_dict,
                     cpu=opts.cpu_offload and not drop,
+                    key=f"state.{names[i]}.{k}",
                 )
                 for k, v in entry.items()
             }

@@ -7,6 +7,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ...spmd import ShardedTensor, mark_sharding
+from ...spmd._comm import exchange_label
 from .._core._errors import StateDictMismatchError
 from .._core._planner import on_rank
 
@@ -18,14 +19,25 @@ def is_sharded(value: object) -> bool:
     return isinstance(value, (DTensor, ShardedTensor))
 
 
-def export_value(value: object, *, full: bool, cpu: bool) -> object:
-    """A value as it goes into a returned state dict (detached, gathered / offloaded)."""
+_SAME_CALL = (
+    "the state-dict helpers gather sharded values key by key, so every rank must pass the "
+    "same model, submodules and StateDictOptions (ignore_frozen_params, full_state_dict)"
+)
+
+
+def export_value(value: object, *, full: bool, cpu: bool, key: str) -> object:
+    """A value as it goes into a returned state dict (detached, gathered / offloaded).
+
+    A shardkit ``ShardedTensor``'s gather compares ``key`` across the ranks at no extra
+    cost, so a rank that gathers another key of the same shape raises instead of
+    returning that key's values (a torch ``DTensor``'s gather has no such check)."""
     if not isinstance(value, torch.Tensor):
         return value
     with torch.no_grad():
         value = value.detach()
         if full and is_sharded(value):
-            value = value.full_tensor()
+            with exchange_label({"state dict key": key}, _SAME_CALL):
+                value = value.full_tensor()
         if cpu and not is_sharded(value):
             value = value.cpu()
     return value
