@@ -245,6 +245,7 @@ _TORCH_ONLY_NAMES = {
     "BytesStorageMetadata", "ChunkStorageMetadata", "TensorStorageMetadata",
     "CheckpointException", "HuggingFaceStorageReader", "HuggingFaceStorageWriter",
     "QuantizedHuggingFaceStorageReader", "load_sharded_optimizer_state_dict",
+    "CheckpointableTensor",  # torch 2.14; refused by name (docs/migrating.md, torch versions)
 }  # fmt: skip
 _SUBMODULES = {  # torch submodule -> the torch names it must hold in shardkit too
     "stateful": ["Stateful"],

@@ -133,7 +133,19 @@ def tensor_leaf(key: str, t: torch.Tensor, for_save: bool) -> TensorLeaf | None:
         return _dtensor_leaf(key, t, for_save)
     if t.layout != torch.strided:
         raise TypeError(f"key {key!r}: {t.layout} tensors are not supported; call .to_dense()")
+    if all(hasattr(t, name) for name in _SELF_DESCRIBED):
+        raise TypeError(
+            f"key {key!r}: a tensor carrying {', '.join(_SELF_DESCRIBED)} (torch 2.14's "
+            "CheckpointableTensor protocol) would be taken for a whole tensor of its local "
+            "shape; shardkit does not read that protocol. Describe the shard with "
+            "shardkit.spmd.mark_sharding, a ShardedTensor or a DTensor instead"
+        )
     return TensorLeaf(key, tuple(t.shape), t.dtype, Box.full(t.shape), t.detach())
+
+
+#: The attributes of torch 2.14's ``CheckpointableTensor`` protocol (a plain tensor that
+#: names the global shards it holds), which shardkit refuses rather than misread
+_SELF_DESCRIBED = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
 
 
 def _join(prefix: str, k: Any) -> str:
