@@ -294,10 +294,20 @@ def _restart_line(report: dict) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Run both phases and print the summary; returns the exit code."""
+    """Run both phases and print the summary; returns the exit code.
+
+    A SIGTERM stops the launcher as Ctrl-C does (its torchrun children get it too); the
+    caller's handler is back in place when this returns, however it ends."""
     _check(args)
     _check_dataset()
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return _run_phases(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_phases(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     out = args.out or tempfile.mkdtemp(prefix="shardkit-demo-")
     _check_out(out)

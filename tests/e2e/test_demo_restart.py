@@ -7,6 +7,7 @@ faster); the restarted run is the real CLI under torchrun's elastic restart.
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -100,6 +101,7 @@ def test_out_and_batch_problems_are_refused_before_any_rank_starts(tmp_path, cap
     # batch torch.chunk splits into fewer pieces than ranks crashed a rank (IndexError)
     from shardkit.cli import main
 
+    caller = signal.getsignal(signal.SIGTERM)
     (tmp_path / "afile").write_text("x")
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "model.safetensors").write_bytes(b"mine")
@@ -114,5 +116,8 @@ def test_out_and_batch_problems_are_refused_before_any_rank_starts(tmp_path, cap
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("shardkit: error:"), (extra, err)
         assert message in err, (extra, err)
+        # the demo's SIGTERM handler is the caller's again: it once stayed installed, and a
+        # later test's forked child then took SIGTERM as Ctrl-C (exit 1, not the signal)
+        assert signal.getsignal(signal.SIGTERM) is caller, extra
     assert (tmp_path / "used" / "model.safetensors").read_bytes() == b"mine"
     assert not (tmp_path / "y").exists()
