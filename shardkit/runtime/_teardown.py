@@ -177,6 +177,52 @@ def teardown() -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(dist.group.WORLD))
     dist.destroy_process_group()
     _owned = None
+    if failed:
+        _let_workers_settle()
+
+
+def _let_workers_settle(limit: float = 2.0) -> None:
+    """Wait (at most ``limit`` seconds) until no other thread of this process is running.
+
+    A failed rank has no barrier to hold its finished works (see :func:`_final_barrier`),
+    and a model the program still references keeps the group, and its gloo worker
+    threads, alive past ``destroy_process_group()``. A worker that was descheduled just
+    after finishing a collective frees that work later; if that happens once the
+    interpreter finalizes, it aborts the process (``terminate called without an active
+    exception``, exit -6 instead of the rank's own status; seen on a loaded 2-core
+    machine about once in 20 failing runs). A worker that has freed its work sleeps on
+    its queue, so once every other thread sleeps, three times in a row with the GIL
+    released for 5 ms before each look (a worker waiting for the GIL to free a work gets
+    it then), none is left halfway. Linux only (``/proc/self/task``); elsewhere this
+    returns at once.
+    """
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return
+    me = str(threading.get_native_id())
+    deadline, quiet = time.monotonic() + limit, 0
+    while quiet < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)  # releases the GIL
+        quiet = quiet + 1 if not _others_running(tasks, me) else 0
+
+
+def _others_running(tasks: str, me: str) -> bool:
+    """Whether a thread other than ``me`` is running or runnable (state ``R``)."""
+    try:
+        names = os.listdir(tasks)
+    except OSError:
+        return False
+    for tid in names:
+        if tid == me:
+            continue
+        try:
+            with open(f"{tasks}/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended
+        if state == "R":
+            return True
+    return False
 
 
 def _final_barrier() -> bool:
