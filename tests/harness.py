@@ -179,3 +179,13 @@ def run_ranks(
     if failure is not None:
         raise RankFailed(failure)
     return results
+
+
+def outcome(fn: Callable[[], Any]) -> str:
+    """``"ok"``, or ``"ClassName: message"`` of what ``fn()`` raised on this rank: rank
+    bodies return it so the test compares every rank's error class and message."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the class and message are what tests check
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"

@@ -13,15 +13,8 @@ from __future__ import annotations
 import os
 
 import torch
-from harness import run_ranks
+from harness import outcome, run_ranks
 
-
-def _outcome(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # the class and message are what the test checks
-        return f"{type(exc).__name__}: {exc}"
-    return "ok"
 
 
 def _body(tmp):
@@ -38,7 +31,7 @@ def _body(tmp):
 
     # a tensor shaped differently per rank: async_save refuses it as save does
     shaped = {"w": w if rank == 0 else torch.zeros(8, 4)}
-    out["async_shape"] = _outcome(
+    out["async_shape"] = outcome(
         lambda: dcp.async_save(shaped, checkpoint_id=f"{tmp}/shape").result(timeout=60)
     )
     out["async_shape_files"] = (
@@ -59,13 +52,13 @@ def _body(tmp):
     # a different checkpoint per rank in one load
     dcp.save({"w": w + 1}, checkpoint_id=f"{tmp}/other")
     mine = f"{tmp}/value" if rank == 0 else f"{tmp}/other"
-    out["load_two"] = _outcome(lambda: dcp.load({"w": torch.zeros(4, 4)}, checkpoint_id=mine))
+    out["load_two"] = outcome(lambda: dcp.load({"w": torch.zeros(4, 4)}, checkpoint_id=mine))
 
     # save to a path that differs per rank: refused before the commit, nothing left
     # (4 MiB, so that both ranks write pieces of it)
     big = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)
     per_rank = f"{tmp}/per_rank_{rank}"
-    out["save_two"] = _outcome(lambda: dcp.save({"big": big}, checkpoint_id=per_rank))
+    out["save_two"] = outcome(lambda: dcp.save({"big": big}, checkpoint_id=per_rank))
     dist.barrier()
     out["save_two_left"] = sorted(os.listdir(per_rank)) if os.path.isdir(per_rank) else []
 
@@ -73,12 +66,12 @@ def _body(tmp):
     with dcp.CheckpointManager(f"{tmp}/mgr", 1, chkpt_on_preemption=False) as mgr:
         mgr.save(1, {"w": w})
         mgr.save(2, {"w": w * 2})
-        out["restore_two"] = _outcome(lambda: mgr.restore(1 + rank, {"w": torch.zeros(4, 4)}))
+        out["restore_two"] = outcome(lambda: mgr.restore(1 + rank, {"w": torch.zeros(4, 4)}))
         got = mgr.restore(2, {"w": torch.zeros(4, 4)})
         out["restore_same"] = torch.equal(got["w"], w * 2)
         # save on one rank, save_async on the other: the blocking one waited for good
         call = mgr.save if rank == 0 else mgr.save_async
-        out["save_or_async"] = _outcome(lambda: call(3, {"w": w}))
+        out["save_or_async"] = outcome(lambda: call(3, {"w": w}))
         out["after"] = mgr.save(4, {"w": w}) and mgr.all_steps()[-1]
     return out
 

@@ -10,16 +10,9 @@ check saw a difference. The key now rides in the gather's header (no extra colle
 from __future__ import annotations
 
 import torch
-from harness import run_ranks
+from harness import outcome, run_ranks
 from torch import nn
 
-
-def _outcome(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # the class and message are what the test checks
-        return f"{type(exc).__name__}: {exc}"
-    return "ok"
 
 
 def _body():
@@ -44,7 +37,7 @@ def _body():
     out["same"] = {k: torch.equal(v, ref[k]) for k, v in same.items()}
     # ignore_frozen_params on rank 1 only
     odd = StateDictOptions(full_state_dict=True, ignore_frozen_params=rank == 1)
-    out["frozen_one_rank"] = _outcome(lambda: get_model_state_dict(fsdp, options=odd))
+    out["frozen_one_rank"] = outcome(lambda: get_model_state_dict(fsdp, options=odd))
     # optimizer state: the keys name the parameter and the state entry
     optim = torch.optim.Adam([p for p in fsdp.parameters() if p.requires_grad], lr=0.1)
     fsdp(torch.ones(2, 8)).sum().backward()
