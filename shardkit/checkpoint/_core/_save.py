@@ -400,7 +400,7 @@ def _refuse_unseen_files(writer: StorageWriter, replies: list[dict]) -> None:
     present = set(writer.list_files())
     unseen: dict[int, list[str]] = {}
     for name, rank in written.items():
-        if name not in present and not _exists(writer, name):
+        if name not in present and not writer.has_file(name):
             unseen.setdefault(rank, []).append(name)
     if unseen:
         shown = "; ".join(f"rank {r}: {names[:2]}" for r, names in sorted(unseen.items()))
@@ -410,12 +410,6 @@ def _refuse_unseen_files(writer: StorageWriter, replies: list[dict]) -> None:
             "rank 0 does not share. Give every rank the same path on shared storage; "
             "nothing was committed"
         )
-
-
-def _exists(writer: FileSystemWriter, name: str) -> bool:
-    """Whether file ``name`` of the checkpoint exists, asked by name (not listed)."""
-    path = writer.join(name)
-    return os.path.exists(path) if writer.local else bool(writer.fs.exists(path))
 
 
 def _settle_replicas(

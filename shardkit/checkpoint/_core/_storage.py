@@ -377,6 +377,13 @@ class FileSystemWriter(_FileSystem):
         except FileNotFoundError:
             return []
 
+    def has_file(self, name: str) -> bool:
+        """Whether file ``name`` exists, asked by name: a listing (:meth:`list_files`) may
+        be stale where a lookup is not (an NFS client caches directory contents for up to
+        a minute; a lookup by name asks the server)."""
+        path = self.join(name)
+        return os.path.exists(path) if self.local else bool(self.fs.exists(path))
+
     def directory_exists(self) -> bool:
         """Whether the checkpoint directory exists yet (a failed save into a directory it
         created removes that directory again, see ``remove_empty_directory``)."""
